@@ -1,0 +1,305 @@
+"""The worker-side commands of ``fleet``: migrate, lanes, enqueue, tasks, show, cancel, retry, db.
+
+The monitor side (``monitor/cli.py``) composes these with its own into the one ``fleet`` app.
+Every read command has ``--json``. A user mistake exits 1 with one line on stderr and writes
+nothing (the SQL functions validate before they write).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from worker.errors import InvalidInput
+from worker.migrate import migrate as run_migrations
+from worker.runtime import Runtime
+
+console = Console()
+err_console = Console(stderr=True)
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="lanefleet: a multi-lane task queue.")
+lanes_app = typer.Typer(no_args_is_help=True, help="Lanes: sync them from fleet.toml, list them.")
+db_app = typer.Typer(no_args_is_help=True, help="The database: its URL, the embedded server.")
+
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option("--config", "-c", envvar="FLEET_CONFIG", help="fleet.toml to read [env: FLEET_CONFIG]"),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
+TaskRef = Annotated[str, typer.Argument(help="task id or key")]
+
+
+def root_callback(ctx: typer.Context, config: ConfigOpt = None) -> None:
+    """lanefleet: a Postgres-backed, multi-lane task queue for fleets of agent workers."""
+    ctx.obj = Runtime(config)
+    ctx.call_on_close(ctx.obj.close)
+
+
+def rt(ctx: typer.Context) -> Runtime:
+    obj = ctx.find_root().obj
+    assert isinstance(obj, Runtime)
+    return obj
+
+
+def emit_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+def _jsonable(model: Any) -> Any:
+    return model.model_dump(mode="json")
+
+
+# -- migrate and lanes
+
+
+@app.command()
+def migrate(
+    ctx: typer.Context,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="list pending migrations, apply none")] = False,
+    sync: Annotated[bool, typer.Option(help="also sync lanes from the config")] = True,
+    as_json: JsonOpt = False,
+) -> None:
+    """Apply pending migrations (each in one transaction, safe to run concurrently)."""
+    r = rt(ctx)
+    result = run_migrations(r.url, dry_run=dry_run)
+    lanes = r.sync_lanes() if sync and not dry_run else {}
+    if as_json:
+        emit_json({
+            "applied": [m.path.name for m in result.applied],
+            "pending": [m.path.name for m in result.pending],
+            "already_applied": len(result.already),
+            "lanes": lanes,
+        })
+        return
+    if dry_run:
+        if result.pending:
+            console.print(f"{len(result.pending)} pending:")
+            for m in result.pending:
+                console.print(f"  {m.path.name}")
+        else:
+            console.print("nothing pending")
+        return
+    for m in result.applied:
+        console.print(f"applied {m.path.name}")
+    if not result.applied:
+        console.print(f"nothing to apply ({len(result.already)} already applied)")
+    for name, what in lanes.items():
+        if what != "unchanged":
+            console.print(f"lane {name}: {what}")
+
+
+@lanes_app.command("sync")
+def lanes_sync(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """Write the lanes of the config into fleet.lanes (create or update)."""
+    result = rt(ctx).sync_lanes()
+    if as_json:
+        emit_json(result)
+        return
+    for name, what in result.items():
+        console.print(f"lane {name}: {what}")
+
+
+@lanes_app.command("list")
+def lanes_list(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """The lanes in the database."""
+    rows = rt(ctx).store().query("list_lanes")
+    if as_json:
+        emit_json(rows)
+        return
+    table = Table("lane", "max_running", "lease_s", "max_attempts", "max_handoffs", "paused", "accepts_from")
+    for row in rows:
+        table.add_row(row["name"], str(row["max_running"] if row["max_running"] is not None else "∞"),
+                      str(row["lease_seconds"]), str(row["max_attempts"]), str(row["max_handoffs"]),
+                      "yes" if row["paused"] else "", ", ".join(row["accepts_from"] or []))
+    console.print(table)
+
+
+# -- tasks
+
+_RELATIVE = re.compile(r"^\+(\d+(?:\.\d+)?)(s|m|h|d)?$")
+
+
+def parse_payload(value: str | None) -> dict[str, Any]:
+    """``--payload``: inline JSON, or ``@path`` to a JSON file. Must be an object."""
+    if value is None:
+        return {}
+    text = value
+    if value.startswith("@"):
+        path = Path(value[1:])
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise InvalidInput(f"--payload: cannot read {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"--payload is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    if not isinstance(data, dict):
+        raise InvalidInput(f"--payload must be a JSON object, not a {type(data).__name__}")
+    return data
+
+
+def parse_run_at(value: str | None) -> tuple[datetime | None, float | None]:
+    """``--run-at``: an ISO time (with a zone, or UTC) or ``+10m`` from the database's now()."""
+    if value is None:
+        return None, None
+    m = _RELATIVE.match(value.strip())
+    if m:
+        unit = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}[m.group(2)]
+        return None, float(m.group(1)) * unit
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        raise InvalidInput(f"--run-at {value!r} is neither an ISO time nor +<n>[s|m|h|d]") from None
+    if when.tzinfo is None:
+        from datetime import UTC
+
+        when = when.replace(tzinfo=UTC)
+    return when, None
+
+
+@app.command()
+def enqueue(
+    ctx: typer.Context,
+    lane: Annotated[str, typer.Argument(help="the lane to queue the task in")],
+    key: Annotated[str, typer.Option("--key", "-k", help="idempotency key, e.g. issue:473")],
+    payload: Annotated[str | None, typer.Option(help="JSON object, or @file.json")] = None,
+    title: Annotated[str | None, typer.Option(help="a short title")] = None,
+    priority: Annotated[int, typer.Option(help="0..1000, higher runs first")] = 0,
+    run_at: Annotated[str | None, typer.Option("--run-at", help="ISO time or +10m")] = None,
+    max_attempts: Annotated[int | None, typer.Option("--max-attempts", help="override the lane's cap")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Queue a task. Prints its id; says so when the key already existed."""
+    data = parse_payload(payload)
+    when, delay = parse_run_at(run_at)
+    task_id, created = rt(ctx).store().enqueue(lane, key, data, priority, when, max_attempts, title,
+                                               delay_seconds=delay)
+    if as_json:
+        emit_json({"id": task_id, "created": created})
+    elif created:
+        print(task_id)
+    else:
+        print(task_id)
+        err_console.print(f"key {key!r} already existed: task {task_id} (nothing new queued)")
+
+
+@app.command()
+def tasks(
+    ctx: typer.Context,
+    lane: Annotated[str | None, typer.Option(help="only this lane")] = None,
+    state: Annotated[str | None, typer.Option(help="queued, running, done, dead or cancelled")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=10000)] = 50,
+    as_json: JsonOpt = False,
+) -> None:
+    """List tasks, newest first."""
+    states = {"queued", "running", "done", "dead", "cancelled"}
+    if state is not None and state not in states:
+        raise InvalidInput(f"--state {state!r} is not a task state ({', '.join(sorted(states))})")
+    rows = rt(ctx).store().list_tasks(lane, state, limit)
+    if as_json:
+        emit_json([_jsonable(t) for t in rows])
+        return
+    table = Table("id", "lane", "key", "state", "prio", "attempts", "fail", "evap", "handoffs", "title")
+    for t in rows:
+        table.add_row(str(t.id), t.lane, t.key, t.state, str(t.priority), str(t.attempts),
+                      str(t.failures), str(t.evaporations), str(t.handoffs), t.title or "")
+    console.print(table)
+
+
+@app.command()
+def show(ctx: typer.Context, ref: TaskRef, as_json: JsonOpt = False) -> None:
+    """One task: its fields, stage history, runs and events."""
+    store = rt(ctx).store()
+    task = store.get_task(ref)
+    runs = store.task_runs(task.id)
+    events = store.task_events(task.id)
+    if as_json:
+        emit_json({"task": _jsonable(task), "runs": [_jsonable(r) for r in runs],
+                   "events": [_jsonable(e) for e in events]})
+        return
+    console.print(f"[bold]task {task.id}[/] {task.key}  lane [bold]{task.lane}[/]  state [bold]{task.state}[/]")
+    if task.title:
+        console.print(f"title: {task.title}")
+    console.print(f"attempts {task.attempts}  failures {task.failures}  evaporations {task.evaporations}"
+                  f"  handoffs {task.handoffs}  priority {task.priority}")
+    if task.dead_reason:
+        console.print(f"dead: {task.dead_reason}")
+    if task.last_error:
+        console.print(f"last error: {task.last_error}")
+    if task.agent_session:
+        console.print(f"agent session: {task.agent_session}")
+    console.print(f"payload: {json.dumps(task.payload)}")
+    if task.checkpoint is not None:
+        console.print(f"checkpoint #{task.checkpoint_seq}: {json.dumps(task.checkpoint)}")
+    if task.stages:
+        console.print("stages:")
+        for i, st in enumerate([*task.stages, {"lane": task.lane, "current": True}], 1):
+            if st.get("current"):
+                console.print(f"  {i}. {st['lane']} (current, {task.state})")
+            else:
+                console.print(f"  {i}. {st['lane']} → {st.get('routed_to')}  attempts {st.get('attempts')}"
+                              f"  note {json.dumps(st.get('note'))}")
+    if runs:
+        table = Table("run", "lane", "attempt", "outcome", "exit", "tokens in/cache/out", "cost $", "started")
+        for r in runs:
+            table.add_row(str(r.id), r.lane, str(r.attempt), r.outcome or "running",
+                          "" if r.exit_code is None else str(r.exit_code),
+                          f"{r.input_tokens}/{r.cache_creation_tokens + r.cache_read_tokens}/{r.output_tokens}",
+                          f"{r.cost_usd:.4f}", r.started_at.strftime("%Y-%m-%d %H:%M:%S"))
+        console.print(table)
+    table = Table("event", "time", "kind", "detail")
+    for e in events:
+        table.add_row(str(e.id), e.ts.strftime("%H:%M:%S"), e.kind, json.dumps(e.detail)[:100])
+    console.print(table)
+
+
+@app.command()
+def cancel(ctx: typer.Context, ref: TaskRef) -> None:
+    """Cancel a queued or running task (a running agent stops at its next heartbeat)."""
+    store = rt(ctx).store()
+    task = store.get_task(ref)
+    console.print(f"task {task.id}: {store.cancel(task.id)}")
+
+
+@app.command()
+def retry(ctx: typer.Context, ref: TaskRef) -> None:
+    """Queue a dead or cancelled task again, with a fresh attempt cap."""
+    store = rt(ctx).store()
+    task = store.get_task(ref)
+    console.print(f"task {task.id}: {store.retry(task.id)}")
+
+
+# -- the database
+
+
+@db_app.command("url")
+def db_url(ctx: typer.Context) -> None:
+    """Print the database URL (starting the embedded server if it is the one in use)."""
+    print(rt(ctx).url)
+
+
+@db_app.command("stop")
+def db_stop(ctx: typer.Context) -> None:
+    """Stop the embedded Postgres (if it runs)."""
+    r = rt(ctx)
+    if not r.embedded:
+        raise InvalidInput("the database is not the embedded one; nothing to stop")
+    from worker.embedded import stop_embedded
+
+    stopped = stop_embedded(r.cfg.path(r.cfg.fleet.home))
+    console.print("stopped" if stopped else "not running")
+
+
+def register(root: typer.Typer) -> None:
+    """Add the worker-side commands to the composed ``fleet`` app."""
+    root.registered_commands.extend(app.registered_commands)
+    root.add_typer(lanes_app, name="lanes")
+    root.add_typer(db_app, name="db")

@@ -1,0 +1,104 @@
+"""Typed rows: what the store returns. Field names are the SQL columns."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+from uuid import UUID
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Row(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class Task(_Row):
+    id: int
+    lane: str
+    key: str
+    title: str | None = None
+    payload: dict[str, Any] = {}
+    priority: int = 0
+    state: str
+    run_at: datetime
+    resume: bool = False
+    attempts: int = 0
+    failures: int = 0
+    evaporations: int = 0
+    handoffs: int = 0
+    max_attempts: int | None = None
+    last_progress_at: datetime | None = None
+    lease_token: UUID | None = None
+    lease_expires_at: datetime | None = None
+    session_id: UUID | None = None
+    agent_session: str | None = None
+    checkpoint: Any = None
+    checkpoint_seq: int = 0
+    handoff: dict[str, Any] | None = None
+    stages: list[dict[str, Any]] = []
+    last_error: str | None = None
+    dead_reason: str | None = None
+    result: Any = None
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None = None
+
+
+class Run(_Row):
+    id: int
+    task_id: int
+    session_id: UUID | None
+    lane: str
+    attempt: int
+    started_at: datetime
+    ended_at: datetime | None
+    outcome: str | None
+    exit_code: int | None
+    tier: str | None
+    model: str | None
+    agent_session: str | None
+    input_tokens: int
+    cache_creation_tokens: int
+    cache_read_tokens: int
+    output_tokens: int
+    cost_usd: Decimal
+    log_path: str | None
+    error_tail: str | None
+
+
+class Event(_Row):
+    id: int
+    ts: datetime
+    kind: str
+    lane: str | None
+    task_id: int | None
+    session_id: UUID | None
+    detail: dict[str, Any]
+
+
+class LaneHandoff(_Row):
+    id: int
+    lane: str
+    session_id: UUID
+    window_start: datetime
+    window_end: datetime
+    end_reason: str | None
+    counts: dict[str, Any]
+    completed: list[int]
+    failed: list[int]
+    handed_off: list[int]
+    tokens: dict[str, Any]
+    cost_usd: Decimal
+    notes: dict[str, Any]
+    queue_head: list[dict[str, Any]]
+    created_at: datetime
+
+
+class RepairAction(_Row):
+    action: str
+    lane: str | None
+    task_id: int | None
+    session_id: UUID | None
+    detail: dict[str, Any]

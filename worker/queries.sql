@@ -1,0 +1,38 @@
+-- Named read queries (the few statements Python sends besides the SQL API calls).
+-- Format: "-- name: <name>" then a one-line description, then the statement.
+
+-- name: task_by_id
+-- One task by id.
+select * from fleet.tasks where id = %(id)s;
+
+-- name: task_by_key
+-- One task by its idempotency key.
+select * from fleet.tasks where key = %(key)s;
+
+-- name: list_tasks
+-- Tasks, newest first, optionally filtered by lane and state.
+select * from fleet.tasks
+ where (%(lane)s::text is null or lane = %(lane)s)
+   and (%(state)s::text is null or state = %(state)s)
+ order by id desc
+ limit %(limit)s;
+
+-- name: task_events
+-- The journal of one task, oldest first.
+select * from fleet.events where task_id = %(id)s order by id;
+
+-- name: task_runs
+-- The runs (attempts) of one task, oldest first.
+select * from fleet.runs where task_id = %(id)s order by id;
+
+-- name: last_lane_handoff
+-- The newest lane hand-off snapshot of a lane.
+select * from fleet.lane_handoffs where lane = %(lane)s order by id desc limit 1;
+
+-- name: list_lanes
+-- Every lane row.
+select * from fleet.lanes order by name;
+
+-- name: lane_counts
+-- Tasks per lane and state.
+select lane, state, count(*) as n from fleet.tasks group by lane, state order by lane, state;

@@ -1,0 +1,67 @@
+"""What a command needs at run time: the config, the database URL and the store, made lazily.
+
+No DATABASE_URL and no ``[database] url``: the embedded Postgres under ``[fleet] home``.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+import psycopg
+
+from worker.config import FleetConfig, load_config
+from worker.errors import DatabaseUnavailable, MigrationError
+from worker.migrate import pending
+from worker.store import PostgresStore, lane_settings
+
+
+class Runtime:
+    def __init__(self, config_path: Path | None = None) -> None:
+        self.config_path = config_path
+        self._store: PostgresStore | None = None
+
+    @cached_property
+    def cfg(self) -> FleetConfig:
+        return load_config(self.config_path)
+
+    @property
+    def embedded(self) -> bool:
+        return not self.cfg.database.url
+
+    @cached_property
+    def url(self) -> str:
+        if self.cfg.database.url:
+            return self.cfg.database.url
+        from worker.embedded import embedded_url
+
+        return embedded_url(self.cfg.path(self.cfg.fleet.home))
+
+    def store(self, *, check_schema: bool = True) -> PostgresStore:
+        if self._store is None:
+            if check_schema:
+                self.check_schema()
+            self._store = PostgresStore.from_config(self.cfg, self.url)
+        return self._store
+
+    def check_schema(self) -> None:
+        """Refuse to work on a database that lacks migrations this code needs."""
+        try:
+            with psycopg.connect(self.url, connect_timeout=10) as conn:
+                missing = pending(conn)
+        except psycopg.OperationalError as exc:
+            raise DatabaseUnavailable(f"cannot connect to the database: {exc}".strip()) from None
+        if missing:
+            raise MigrationError(
+                f"the database lacks {len(missing)} migration(s) ({missing[0].path.name}…)",
+                "run `fleet migrate`",
+            )
+
+    def sync_lanes(self) -> dict[str, str]:
+        store = self.store()
+        return {name: store.sync_lane(name, lane_settings(lane)) for name, lane in self.cfg.lanes.items()}
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None

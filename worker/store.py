@@ -1,0 +1,300 @@
+"""The store: a small typed interface over the SQL API (DESIGN §5).
+
+Every method is a thin call site of one ``fleet.*`` function; no transition is decided here.
+:class:`PostgresStore` talks psycopg 3 through a connection pool; the Supabase store (PostgREST
+RPC) implements the same :class:`Store` protocol.
+
+Retries: a transient connection failure is retried with tenacity, and only that. Calls that are
+safe to repeat (heartbeat, checkpoint, record_run, enqueue by key, reads) are retried on any
+connection error; calls that are not (claim, complete, fail, …) are retried only when the
+connection could not be had at all, because a call that failed mid-flight may have committed.
+A constraint violation or an ``LF`` error is never retried.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, LiteralString, Protocol
+from uuid import UUID
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import ConnectionPool, PoolTimeout
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from worker.config import FleetConfig, LaneConfig
+from worker.errors import SQLSTATE_ERRORS, DatabaseUnavailable, FleetError, InvalidInput, UnknownTask
+from worker.models import Event, LaneHandoff, RepairAction, Run, Task
+
+
+
+@functools.cache
+def queries() -> dict[str, str]:
+    """The named queries of ``queries.sql``, loaded once."""
+    text = (Path(__file__).parent / "queries.sql").read_text()
+    out: dict[str, str] = {}
+    name: str | None = None
+    body: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("-- name:"):
+            if name:
+                out[name] = "\n".join(body).strip()
+            name, body = line.split(":", 1)[1].strip(), []
+        elif name and not line.startswith("--"):
+            body.append(line)
+    if name:
+        out[name] = "\n".join(body).strip()
+    return out
+
+
+def lane_settings(lane: LaneConfig) -> dict[str, Any]:
+    """The fleet.lanes columns of a configured lane (what ``fleet.sync_lane`` takes)."""
+    return {
+        "max_running": lane.max_running,
+        "lease_seconds": lane.lease_seconds,
+        "max_attempts": lane.max_attempts,
+        "max_handoffs": lane.max_handoffs,
+        "session_timeout_seconds": lane.session_timeout_seconds,
+        "backoff_base_seconds": lane.backoff_base_seconds,
+        "backoff_max_seconds": lane.backoff_max_seconds,
+        "accepts_from": lane.accepts_from,
+        "paused": lane.paused,
+        "config": {
+            "model": lane.model,
+            "require_result": lane.require_result,
+            "stall_seconds": lane.stall_seconds,
+            "max_shifts": lane.max_shifts,
+        },
+    }
+
+
+class Store(Protocol):
+    """What a shift, the monitor and the CLI need from the database."""
+
+    def enqueue(self, lane: str, key: str, payload: dict[str, Any] | None = None, priority: int = 0,
+                run_at: datetime | None = None, max_attempts: int | None = None,
+                title: str | None = None, delay_seconds: float | None = None) -> tuple[int, bool]: ...
+    def open_session(self, lane: str, host: str, pid: int, pid_started_at: datetime | None,
+                     seconds: int) -> UUID: ...
+    def claim(self, session: UUID, limit: int = 1) -> list[Task]: ...
+    def heartbeat(self, session: UUID) -> dict[int, str]: ...
+    def checkpoint(self, task: int, token: UUID, data: Any) -> int: ...
+    def complete(self, task: int, token: UUID, result: Any = None) -> str: ...
+    def fail(self, task: int, token: UUID, error: str, retryable: bool = True) -> str: ...
+    def hand_off(self, task: int, token: UUID, snapshot: dict[str, Any]) -> str: ...
+    def route(self, task: int, token: UUID, lane: str, note: Any = None) -> str: ...
+    def record_run(self, token: UUID, report: dict[str, Any]) -> None: ...
+    def close_session(self, session: UUID, reason: str, snapshot: dict[str, Any]) -> int: ...
+    def cancel(self, task: int) -> str: ...
+    def retry(self, task: int) -> str: ...
+    def sync_lane(self, name: str, settings: dict[str, Any]) -> str: ...
+    def reconcile(self, idle_seconds: int = 300, overdue_grace_seconds: int = 60) -> list[RepairAction]: ...
+    def declare_session_lost(self, session: UUID, reason: str) -> list[RepairAction]: ...
+    def get_task(self, ref: int | str) -> Task: ...
+    def last_lane_handoff(self, lane: str) -> LaneHandoff | None: ...
+    def close(self) -> None: ...
+
+
+def _json(value: Any) -> Jsonb | None:
+    return None if value is None else Jsonb(value)
+
+
+def translate(exc: psycopg.Error) -> Exception:
+    """The FleetError for a database error, or the error itself if it is not ours to name."""
+    diag = exc.diag
+    cls = SQLSTATE_ERRORS.get(exc.sqlstate or "")
+    if cls is not None:
+        return cls(diag.message_primary or str(exc), diag.message_hint)
+    if isinstance(exc, psycopg.errors.IntegrityError | psycopg.errors.DataError):
+        return InvalidInput(diag.message_primary or str(exc), diag.message_detail)
+    if isinstance(exc, psycopg.errors.UndefinedFunction | psycopg.errors.UndefinedTable):
+        return FleetError(diag.message_primary or str(exc), "the database is not migrated: run `fleet migrate`")
+    return exc
+
+
+class _Transient(Exception):
+    """A connection failure that is safe to retry."""
+
+
+class PostgresStore:
+    """The store over a direct connection (psycopg 3 + pool)."""
+
+    def __init__(self, url: str, *, pooler: bool = False, min_size: int = 1, max_size: int = 8,
+                 attempts: int = 5, timeout: float = 10.0) -> None:
+        self.url = url
+        self._attempts = attempts
+        kwargs: dict[str, Any] = {"autocommit": True, "row_factory": dict_row}
+        if pooler:
+            kwargs["prepare_threshold"] = None  # no server-side prepared statements through a pooler
+        self.pool: ConnectionPool[Any] = ConnectionPool(
+            url, kwargs=kwargs, min_size=min_size, max_size=max_size, open=False,
+            check=ConnectionPool.check_connection, timeout=timeout, name="lanefleet",
+        )
+        try:
+            self.pool.open(wait=False)
+        except psycopg.Error as exc:  # pragma: no cover - open(wait=False) rarely raises
+            raise DatabaseUnavailable(f"cannot open a pool to the database: {exc}") from exc
+
+    @classmethod
+    def from_config(cls, cfg: FleetConfig, url: str, **kwargs: Any) -> PostgresStore:
+        return cls(url, pooler=cfg.database.pooler, min_size=cfg.database.pool_min,
+                   max_size=cfg.database.pool_max, **kwargs)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __enter__(self) -> PostgresStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing
+
+    def _run(self, query: LiteralString, params: Sequence[Any] | dict[str, Any] = (), *,
+             idempotent: bool = True) -> list[dict[str, Any]]:
+        def once() -> list[dict[str, Any]]:
+            try:
+                conn = self.pool.getconn()
+            except (PoolTimeout, psycopg.OperationalError) as exc:
+                raise _Transient(str(exc)) from exc  # nothing was sent: always safe to retry
+            try:
+                cur = conn.execute(query, params)
+                return cur.fetchall() if cur.description else []
+            except psycopg.OperationalError as exc:
+                if exc.sqlstate and exc.sqlstate[:2] not in ("08", "57"):
+                    raise translate(exc) from exc
+                if idempotent:
+                    raise _Transient(str(exc)) from exc
+                raise DatabaseUnavailable(
+                    f"the database connection failed during a call that may have committed: {exc}"
+                ) from exc
+            except psycopg.Error as exc:
+                raise translate(exc) from exc
+            finally:
+                self.pool.putconn(conn)  # the pool discards a broken connection
+
+        try:
+            for attempt in Retrying(retry=retry_if_exception_type(_Transient),
+                                    stop=stop_after_attempt(self._attempts),
+                                    wait=wait_exponential(multiplier=0.2, max=5), reraise=True):
+                with attempt:
+                    return once()
+        except _Transient as exc:
+            raise DatabaseUnavailable(f"the database is unreachable: {exc}") from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _one(self, query: LiteralString, params: Sequence[Any] = (), *,
+             idempotent: bool = True) -> Any:
+        rows = self._run(query, params, idempotent=idempotent)
+        return next(iter(rows[0].values())) if rows else None
+
+    # -- the SQL API
+
+    def enqueue(self, lane: str, key: str, payload: dict[str, Any] | None = None, priority: int = 0,
+                run_at: datetime | None = None, max_attempts: int | None = None,
+                title: str | None = None, delay_seconds: float | None = None) -> tuple[int, bool]:
+        """Queue a task; (id, created). ``delay_seconds`` counts from the database's now()."""
+        rows = self._run(
+            "select task_id, created from fleet.enqueue_task(%s, %s, %s, %s,"
+            " coalesce(%s::timestamptz, now() + make_interval(secs => coalesce(%s, 0))), %s, %s)",
+            (lane, key, _json(payload if payload is not None else {}), priority, run_at, delay_seconds,
+             max_attempts, title),
+        )
+        return int(rows[0]["task_id"]), bool(rows[0]["created"])
+
+    def open_session(self, lane: str, host: str, pid: int, pid_started_at: datetime | None,
+                     seconds: int) -> UUID:
+        return UUID(str(self._one("select fleet.open_session(%s, %s, %s, %s, %s)",
+                                  (lane, host, pid, pid_started_at, seconds), idempotent=False)))
+
+    def claim(self, session: UUID, limit: int = 1) -> list[Task]:
+        rows = self._run("select * from fleet.claim(%s, %s)", (session, limit), idempotent=False)
+        return [Task.model_validate(r) for r in rows]
+
+    def heartbeat(self, session: UUID) -> dict[int, str]:
+        rows = self._run("select task_id, status from fleet.heartbeat(%s)", (session,))
+        return {int(r["task_id"]): str(r["status"]) for r in rows}
+
+    def checkpoint(self, task: int, token: UUID, data: Any) -> int:
+        return int(self._one("select fleet.checkpoint(%s, %s, %s)", (task, token, _json(data))))
+
+    def complete(self, task: int, token: UUID, result: Any = None) -> str:
+        return str(self._one("select fleet.complete(%s, %s, %s)", (task, token, _json(result)),
+                             idempotent=False))
+
+    def fail(self, task: int, token: UUID, error: str, retryable: bool = True) -> str:
+        return str(self._one("select fleet.fail(%s, %s, %s, %s)", (task, token, error, retryable),
+                             idempotent=False))
+
+    def hand_off(self, task: int, token: UUID, snapshot: dict[str, Any]) -> str:
+        return str(self._one("select fleet.hand_off(%s, %s, %s)", (task, token, _json(snapshot)),
+                             idempotent=False))
+
+    def route(self, task: int, token: UUID, lane: str, note: Any = None) -> str:
+        return str(self._one("select fleet.route(%s, %s, %s, %s)", (task, token, lane, _json(note)),
+                             idempotent=False))
+
+    def record_run(self, token: UUID, report: dict[str, Any]) -> None:
+        self._run("select fleet.record_run(%s, %s)", (token, _json(report)))
+
+    def close_session(self, session: UUID, reason: str, snapshot: dict[str, Any]) -> int:
+        # idempotent in SQL: closing twice returns the same lane hand-off
+        return int(self._one("select fleet.close_session(%s, %s, %s)", (session, reason, _json(snapshot))))
+
+    def cancel(self, task: int) -> str:
+        return str(self._one("select fleet.cancel(%s)", (task,)))
+
+    def retry(self, task: int) -> str:
+        return str(self._one("select fleet.retry(%s)", (task,), idempotent=False))
+
+    def sync_lane(self, name: str, settings: dict[str, Any]) -> str:
+        return str(self._one("select fleet.sync_lane(%s, %s)", (name, _json(settings))))
+
+    def reconcile(self, idle_seconds: int = 300, overdue_grace_seconds: int = 60) -> list[RepairAction]:
+        rows = self._run("select * from fleet.reconcile(%s, %s)", (idle_seconds, overdue_grace_seconds),
+                         idempotent=False)
+        return [RepairAction.model_validate(r) for r in rows]
+
+    def declare_session_lost(self, session: UUID, reason: str) -> list[RepairAction]:
+        rows = self._run("select * from fleet.declare_session_lost(%s, %s)", (session, reason),
+                         idempotent=False)
+        return [RepairAction.model_validate(r) for r in rows]
+
+    # -- reads
+
+    def query(self, name: str, **params: Any) -> list[dict[str, Any]]:
+        """Run a named query of queries.sql."""
+        return self._run(queries()[name], params)  # type: ignore[arg-type]
+
+    def get_task(self, ref: int | str) -> Task:
+        """A task by id (an int, or a string of digits) or by key."""
+        if isinstance(ref, int) or ref.isdigit():
+            rows = self.query("task_by_id", id=int(ref))
+            if not rows and isinstance(ref, str):
+                rows = self.query("task_by_key", key=ref)
+        else:
+            rows = self.query("task_by_key", key=ref)
+        if not rows:
+            raise UnknownTask(f"no task with id or key {ref!r}")
+        return Task.model_validate(rows[0])
+
+    def list_tasks(self, lane: str | None = None, state: str | None = None, limit: int = 50) -> list[Task]:
+        return [Task.model_validate(r) for r in self.query("list_tasks", lane=lane, state=state, limit=limit)]
+
+    def task_events(self, task: int) -> list[Event]:
+        return [Event.model_validate(r) for r in self.query("task_events", id=task)]
+
+    def task_runs(self, task: int) -> list[Run]:
+        return [Run.model_validate(r) for r in self.query("task_runs", id=task)]
+
+    def last_lane_handoff(self, lane: str) -> LaneHandoff | None:
+        rows = self.query("last_lane_handoff", lane=lane)
+        return LaneHandoff.model_validate(rows[0]) if rows else None
+
+    def lane_names(self) -> list[str]:
+        return [str(r["name"]) for r in self.query("list_lanes")]
