@@ -277,6 +277,55 @@ def retry(ctx: typer.Context, ref: TaskRef) -> None:
     console.print(f"task {task.id}: {store.retry(task.id)}")
 
 
+# -- shifts and agents
+
+
+@app.command()
+def shift(
+    ctx: typer.Context,
+    lane: Annotated[str, typer.Option("--lane", "-l", help="the lane to work")],
+    max_seconds: Annotated[float | None, typer.Option("--max-seconds", help="shift length (default: the lane's shift_minutes)")] = None,
+    max_tasks: Annotated[int | None, typer.Option("--max-tasks", min=1, help="claim at most this many tasks")] = None,
+    slots: Annotated[int | None, typer.Option("--slots", min=1, help="agents at once (default: the lane's slots)")] = None,
+    once: Annotated[bool, typer.Option("--once", help="exit as soon as nothing is ready and nothing runs")] = False,
+    poll: Annotated[float, typer.Option("--poll", min=0.05, help="seconds between claims when idle")] = 0.5,
+    json_logs: Annotated[bool | None, typer.Option("--json-logs/--text-logs", help="log format (default: JSON unless a terminal)")] = None,
+) -> None:
+    """Run one shift of a lane (what cron starts): claim, run agents, hand off at exit."""
+    from worker.shift import Shift, configure_logging
+
+    r = rt(ctx)
+    r.cfg.lane(lane)  # an unknown lane is an error before anything starts
+    configure_logging(json_logs)
+    s = Shift(r.store(), r.cfg, lane, max_seconds=max_seconds, max_tasks=max_tasks, slots=slots,
+              once=once, poll_seconds=poll)
+    s.install_signal_handlers()
+    summary = s.run()
+    raise typer.Exit(summary.exit_code)
+
+
+@app.command()
+def checkpoint(
+    data: Annotated[str, typer.Option("--data", "-d", help="the checkpoint, a JSON value (or @file)")],
+    workspace: Annotated[Path | None, typer.Option(envvar="FLEET_WORKSPACE", help="the task workspace [env: FLEET_WORKSPACE]")] = None,
+) -> None:
+    """For agents: save a checkpoint; the shift stores it at its next heartbeat."""
+    from worker.workspace import write_atomic
+
+    if workspace is None:
+        raise InvalidInput("no workspace: run this inside a task (FLEET_WORKSPACE) or pass --workspace")
+    text = Path(data[1:]).read_text() if data.startswith("@") else data
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"--data is not valid JSON: {exc.msg}") from None
+    folder = workspace / ".fleet"
+    if not folder.is_dir():
+        raise InvalidInput(f"{workspace} is not a task workspace (no .fleet/ folder)")
+    write_atomic(folder / "checkpoint.json", json.dumps(value))
+    console.print("checkpoint saved; stored at the next heartbeat")
+
+
 # -- the database
 
 
