@@ -10,6 +10,7 @@ import sys
 
 import typer
 
+from monitor import commands as monitor_commands
 from worker import cli as worker_cli
 from worker.errors import FleetError
 
@@ -17,6 +18,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="lanefleet: a Postgres-backed, multi-lane task queue for fleets of agent workers.")
 app.callback()(worker_cli.root_callback)
 worker_cli.register(app)
+monitor_commands.register(app)
 
 
 def main() -> None:

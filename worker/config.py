@@ -158,13 +158,12 @@ def cron_trigger(expr: str) -> Any:
 
 def _example_lanes() -> dict[str, Any]:
     agent = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+    common = {"command": agent, "lease_seconds": 30, "cron": "*/10 * * * *", "backoff_base_seconds": 2,
+              "backoff_max_seconds": 60, "grace_seconds": 3}
     return {
-        "docs": {"command": agent, "max_running": 2, "lease_seconds": 30, "cron": "*/10 * * * *"},
-        "bugfix": {"command": agent, "max_running": 2, "lease_seconds": 30, "cron": "*/10 * * * *"},
-        "review": {
-            "command": agent, "max_running": 1, "lease_seconds": 30, "accepts_from": ["bugfix"],
-            "cron": "*/10 * * * *",
-        },
+        "docs": {**common, "max_running": 2},
+        "bugfix": {**common, "max_running": 2},
+        "review": {**common, "max_running": 1, "accepts_from": ["bugfix"]},
     }
 
 

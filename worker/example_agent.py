@@ -11,7 +11,7 @@ The task payload steers it (all optional):
 - ``mode``: ``ok`` | ``fail`` (exit 1) | ``hang`` (never ends) | ``crash`` (SIGKILLs itself,
   no result) | ``handoff`` (exit 75) | ``garbage`` (prints noise, exit 0, no result record) |
   ``is_error`` (exit 0 with ``is_error: true``);
-- ``fail_attempts``: fail attempts 1..N, then behave;
+- ``fail_attempts``: fail attempts 1..N, then behave; ``crash_attempts``: crash in attempts 1..N;
 - ``steps_per_shift``: do at most this many steps per attempt, then checkpoint and exit 75 (a
   task that needs several shifts);
 - ``route``: a lane to route the task to when done (writes ``.fleet/route.json``), with
@@ -81,6 +81,8 @@ def main(argv: list[str]) -> int:
     mode = payload.get("mode", "ok")
     if attempt <= int(payload.get("fail_attempts", 0)):
         mode = "fail"
+    elif attempt <= int(payload.get("crash_attempts", 0)):
+        mode = "crash"
 
     emit({"type": "system", "subtype": "init", "session_id": session, "cwd": os.getcwd(),
           "model": "claude-sonnet-4-5", "prompt_chars": len(prompt)})
@@ -120,7 +122,7 @@ def main(argv: list[str]) -> int:
         emit(result_record(session, is_error=False, steps=max(this_attempt, 1), scale=scale,
                            text="waiting for something; handing off"))
         return 75
-    if payload.get("route"):
+    if payload.get("route") and payload["route"] != task["lane"]:
         write_json(fleet / "route.json", {"lane": payload["route"],
                                           "note": payload.get("route_note", f"done in {task['lane']}")})
     emit(result_record(session, is_error=(mode == "is_error"), steps=max(this_attempt, 1), scale=scale,

@@ -1,0 +1,226 @@
+"""The monitor-side commands of ``fleet``: monitor, run, crontab, up."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from monitor.host import ShiftLauncher, crontab_lines, shift_env
+from monitor.reconcile import monitor_pass
+from worker.cli import JsonOpt, console, emit_json, rt
+from worker.config import parse_duration
+from worker.errors import InvalidInput
+from worker.migrate import migrate as run_migrations
+from worker.models import RepairAction
+from worker.runtime import Runtime
+
+
+def _duration(value: str | None, flag: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise InvalidInput(f"{flag}: {exc}") from None
+
+
+def actions_table(actions: list[RepairAction]) -> Table:
+    table = Table("action", "lane", "task", "session", "detail", title="monitor pass")
+    for a in actions:
+        table.add_row(a.action, a.lane or "", "" if a.task_id is None else str(a.task_id),
+                      str(a.session_id or "")[:8], json.dumps(a.detail, default=str)[:90])
+    return table
+
+
+def monitor(
+    ctx: typer.Context,
+    once: Annotated[bool, typer.Option("--once", help="one pass, then exit (the default)")] = False,
+    every: Annotated[str | None, typer.Option("--every", help="loop: a pass every 30s, 1m, ...")] = None,
+    no_local: Annotated[bool, typer.Option("--no-local", help="skip this host's pid checks")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Repair evaporated claims and report stalls and idle capacity (one pass, or --every)."""
+    interval = _duration(every, "--every")
+    if once and interval:
+        raise InvalidInput("--once and --every exclude each other")
+    r = rt(ctx)
+    store = r.store()
+    stop = threading.Event()
+    if interval:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    while True:
+        actions = monitor_pass(store, r.cfg, local=not no_local)
+        if as_json:
+            print(json.dumps([a.model_dump(mode="json") for a in actions]), flush=True)
+        elif actions:
+            console.print(actions_table(actions))
+        elif not interval:
+            console.print("nothing to repair")
+        if not interval or stop.wait(interval):
+            return
+
+
+def run(
+    ctx: typer.Context,
+    lanes: Annotated[list[str] | None, typer.Option("--lane", help="only these lanes (repeatable)")] = None,
+    duration: Annotated[str | None, typer.Option("--for", help="stop after this long (e.g. 1h); default: until SIGTERM")] = None,
+) -> None:
+    """Host the fleet: each lane's cron launches shifts (never past max_shifts); the monitor runs on its interval."""
+    from apscheduler.schedulers.background import BackgroundScheduler
+    from apscheduler.triggers.interval import IntervalTrigger
+
+    from worker.config import cron_trigger
+    from worker.shift import configure_logging
+
+    r = rt(ctx)
+    configure_logging()
+    limit = _duration(duration, "--for")
+    chosen = lanes or sorted(r.cfg.lanes)
+    for name in chosen:
+        r.cfg.lane(name)
+    store = r.store()
+    launcher = ShiftLauncher(r.cfg, shift_env(r.cfg, r.url, r.config_path),
+                             log_dir=r.cfg.path(r.cfg.fleet.home) / "logs")
+    scheduler = BackgroundScheduler(timezone="UTC")
+    scheduled = []
+    for name in chosen:
+        lane = r.cfg.lanes[name]
+        if lane.cron:
+            scheduler.add_job(launcher.launch, cron_trigger(lane.cron), args=[name], id=f"shift-{name}",
+                              max_instances=1, coalesce=True, misfire_grace_time=30)
+            scheduled.append(name)
+    scheduler.add_job(lambda: monitor_pass(store, r.cfg), IntervalTrigger(seconds=r.cfg.fleet.monitor_every),
+                      id="monitor", max_instances=1, coalesce=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    scheduler.start()
+    console.print(f"fleet run: lanes {', '.join(scheduled) or 'none scheduled'}; monitor every "
+                  f"{r.cfg.fleet.monitor_every:g}s", highlight=False)
+    stop.wait(limit)
+    scheduler.shutdown(wait=False)
+    launcher.stop_all()
+    monitor_pass(store, r.cfg)
+    console.print(json.dumps({"launched": launcher.launched, "max_concurrent": launcher.max_seen}))
+
+
+def crontab(
+    ctx: typer.Context,
+    lock_dir: Annotated[Path | None, typer.Option(help="where lock and log files go (default: <home>/cron)")] = None,
+) -> None:
+    """Print system crontab lines equivalent to `fleet run` (absolute paths, flock overlap guards)."""
+    r = rt(ctx)
+    fleet_bin = shutil.which("fleet") or str(Path(sys.executable).with_name("fleet"))
+    folder = (lock_dir or r.cfg.path(r.cfg.fleet.home) / "cron").resolve()
+    for line in crontab_lines(r.cfg, fleet_bin=fleet_bin, workdir=r.cfg.base_dir, config=r.cfg.source,
+                              lock_dir=folder):
+        print(line)
+
+
+DEMO_TASKS: list[tuple[str, str, dict[str, Any]]] = [
+    ("docs", "write the quick start", {"steps": 3, "sleep": 0.3}),
+    ("docs", "document the SQL API", {"steps": 2, "sleep": 0.3}),
+    ("docs", "flaky: fails once, then passes", {"steps": 2, "sleep": 0.2, "fail_attempts": 1}),
+    ("docs", "always fails: a dead letter", {"steps": 1, "sleep": 0.1, "mode": "fail"}),
+    ("docs", "needs two shifts", {"steps": 6, "sleep": 1.5}),
+    ("bugfix", "crashes once, then is fixed", {"steps": 2, "sleep": 0.2, "crash_attempts": 1}),
+    ("bugfix", "fix the off-by-one, then review", {"steps": 2, "sleep": 0.3, "route": "review",
+                                                    "route_note": "fixed the off-by-one; test added"}),
+    ("bugfix", "hand off once", {"steps": 2, "sleep": 0.2, "steps_per_shift": 1}),
+]
+
+
+def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
+    table = Table("lane", "queued", "running", "done", "dead", "retries", "hand-offs", "tokens", "cost $",
+                  title=title)
+    for row in rows:
+        table.add_row(row["lane"], str(row["queued"]), str(row["running"]), str(row["done"]),
+                      str(row["dead"]), str(row["retries"]), str(row["handoffs"]), f"{row['tokens']:,}",
+                      f"{row['cost_usd']:.4f}")
+    return table
+
+
+def up(
+    ctx: typer.Context,
+    demo: Annotated[bool, typer.Option("--demo", help="queue example tasks, run until all are done or dead, print a summary")] = False,
+    shift_seconds: Annotated[float | None, typer.Option("--shift-seconds", help="length of each shift (default: the lane's; 10 with --demo)")] = None,
+    timeout: Annotated[float, typer.Option(help="--demo: give up after this many seconds")] = 300.0,
+) -> None:
+    """The main job: start (or reuse) the database, migrate, sync lanes, run every lane's shifts and the monitor."""
+    import logging
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    r: Runtime = rt(ctx)
+    url = r.url  # starts or reuses the embedded server when no database is configured
+    result = run_migrations(url)
+    r.sync_lanes()
+    store = r.store()
+    console.print(f"database ready ({'embedded, ' + str(r.cfg.path(r.cfg.fleet.home) / 'pgdata') if r.embedded else 'DATABASE_URL'}); "
+                  f"{len(result.applied)} migration(s) applied; lanes: {', '.join(sorted(r.cfg.lanes))}",
+                  highlight=False)
+    prefix = None
+    if demo:
+        prefix = f"demo:{uuid.uuid4().hex[:6]}:"
+        for i, (lane, title, payload) in enumerate(DEMO_TASKS, 1):
+            if lane in r.cfg.lanes:
+                store.enqueue(lane, f"{prefix}{i}", payload, title=title)
+        shift_seconds = shift_seconds or 10.0
+    extra = ["--max-seconds", str(shift_seconds)] if shift_seconds else []
+    launcher = ShiftLauncher(r.cfg, shift_env(r.cfg, url, r.config_path), extra_args=["--poll", "0.2", *extra],
+                             log_dir=r.cfg.path(r.cfg.fleet.home) / "logs")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    started = time.monotonic()
+    monitor_every = 2.0 if demo else r.cfg.fleet.monitor_every
+    next_monitor = 0.0
+    finished = False
+    with Live(console=console, refresh_per_second=4, transient=False) as live:
+        while not stop.is_set():
+            ready = {row["lane"]: row["ready"] for row in store.query("ready_by_lane")}
+            for lane in sorted(r.cfg.lanes):
+                if ready.get(lane) and launcher.count(lane) == 0:
+                    launcher.launch(lane, ["--once"] if demo else [])
+            if time.monotonic() >= next_monitor:
+                monitor_pass(store, r.cfg)
+                next_monitor = time.monotonic() + monitor_every
+            live.update(summary_table(store.query("lane_summary"),
+                                      f"lanefleet — {time.monotonic() - started:.0f}s"))
+            if prefix is not None:
+                open_tasks = store.query("open_tasks_with_prefix", prefix=prefix)[0]["n"]
+                if open_tasks == 0:
+                    finished = True
+                    break
+                if time.monotonic() - started > timeout:
+                    break
+            stop.wait(0.5)
+    launcher.stop_all()
+    rows = store.query("lane_summary")
+    console.print(summary_table(rows, "summary"))
+    if demo and not finished:
+        raise InvalidInput(f"the demo did not finish within {timeout:.0f}s; see {r.cfg.path(r.cfg.fleet.home) / 'logs'}")
+    if demo:
+        console.print(f"demo finished in {time.monotonic() - started:.0f}s: every task is done or dead. "
+                      f"Try `fleet tasks` and `fleet show {prefix}7`.", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(monitor)
+    app.command()(run)
+    app.command()(crontab)
+    app.command()(up)
+

@@ -1,0 +1,141 @@
+"""Hosting shifts: launch them as subprocesses, never past a lane's ``max_shifts``, stop them cleanly.
+
+Used by ``fleet run`` (APScheduler: each lane's cron expression launches a shift, the monitor
+runs on its interval) and by ``fleet up`` (keep a shift on every lane that has work). A shift is
+a separate process, so one that crashes takes nothing else down, and the monitor repairs its
+work. On stop every shift gets SIGTERM — it hands off and closes its session — and whatever has
+not exited after its grace is killed, by pid, only the processes this host started.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from worker.config import FleetConfig, cron_trigger
+
+log = structlog.get_logger("lanefleet.host")
+
+
+@dataclass
+class ShiftLauncher:
+    cfg: FleetConfig
+    env: dict[str, str]
+    extra_args: list[str] = field(default_factory=list)
+    log_dir: Path | None = None
+    running: dict[str, list[subprocess.Popen[bytes]]] = field(default_factory=dict)
+    launched: dict[str, int] = field(default_factory=dict)
+    max_seen: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def command(self, lane: str, extra: list[str] | None = None) -> list[str]:
+        return [sys.executable, "-m", "monitor.cli", "shift", "--lane", lane, *self.extra_args, *(extra or [])]
+
+    def reap(self) -> None:
+        with self._lock:
+            for lane, procs in self.running.items():
+                self.running[lane] = [p for p in procs if p.poll() is None]
+
+    def count(self, lane: str) -> int:
+        self.reap()
+        return len(self.running.get(lane, []))
+
+    def launch(self, lane: str, extra: list[str] | None = None) -> subprocess.Popen[bytes] | None:
+        """Start a shift of ``lane`` unless it already runs ``max_shifts`` of them."""
+        limit = self.cfg.lane(lane).max_shifts
+        self.reap()
+        with self._lock:
+            procs = self.running.setdefault(lane, [])
+            if len(procs) >= limit:
+                log.info("shift not launched: lane at max_shifts", lane=lane, max_shifts=limit)
+                return None
+            out: int | object = subprocess.DEVNULL
+            if self.log_dir is not None:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+                out = os.open(self.log_dir / f"shift-{lane}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                proc = subprocess.Popen(self.command(lane, extra), env=self.env, stdin=subprocess.DEVNULL,
+                                        stdout=out, stderr=out)  # type: ignore[arg-type]
+            finally:
+                if isinstance(out, int):
+                    os.close(out)
+            procs.append(proc)
+            self.launched[lane] = self.launched.get(lane, 0) + 1
+            self.max_seen[lane] = max(self.max_seen.get(lane, 0), len(procs))
+        log.info("shift launched", lane=lane, pid=proc.pid)
+        return proc
+
+    def stop_all(self, grace: float | None = None) -> None:
+        """SIGTERM every shift (they hand off), then SIGKILL what outlives the grace."""
+        self.reap()
+        procs = [p for ps in self.running.values() for p in ps]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        if grace is None:
+            grace = max((lane.grace_seconds for lane in self.cfg.lanes.values()), default=10.0) + 10.0
+        end = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("shift did not stop in time; killing it", pid=p.pid)
+                p.kill()
+                p.wait()
+        self.reap()
+
+
+def shift_env(cfg: FleetConfig, url: str, config_path: Path | None) -> dict[str, str]:
+    """The environment of a launched shift: the same database and config as this host."""
+    env = dict(os.environ)
+    env["DATABASE_URL"] = url
+    if config_path is not None:
+        env["FLEET_CONFIG"] = str(config_path.resolve())
+    elif cfg.source is not None:
+        env["FLEET_CONFIG"] = str(cfg.source)
+    return env
+
+
+def crontab_lines(cfg: FleetConfig, *, fleet_bin: str, workdir: Path, config: Path | None,
+                  lock_dir: Path) -> list[str]:
+    """System crontab lines equivalent to ``fleet run``: a shift per lane, the monitor each minute.
+
+    ``flock -n`` keeps a lane from running more shifts than it may: one lock file per shift slot,
+    tried in turn (``max_shifts`` of them).
+    """
+    cfg_arg = f" --config {shlex.quote(str(config.resolve()))}" if config else ""
+    cd = f"cd {shlex.quote(str(workdir.resolve()))} && "
+    lines = ["# lanefleet: generated by `fleet crontab`", "SHELL=/bin/bash"]
+    for name, lane in sorted(cfg.lanes.items()):
+        if not lane.cron:
+            lines.append(f"# lane {name}: no cron expression, not scheduled")
+            continue
+        fields = lane.cron.split()
+        if len(fields) == 6:
+            lines.append(f"# lane {name}: cron has a seconds field ({lane.cron}); cron runs it each minute")
+            fields = fields[1:]
+        locks = " || ".join(
+            f"flock -n {shlex.quote(str(lock_dir / f'shift-{name}-{i}.lock'))} "
+            f"{shlex.quote(fleet_bin)}{cfg_arg} shift --lane {shlex.quote(name)}"
+            for i in range(lane.max_shifts)
+        )
+        lines.append(f"{' '.join(fields)} {cd}{{ {locks}; }} >> {shlex.quote(str(lock_dir / f'shift-{name}.log'))} 2>&1")
+    every = max(1, round(cfg.fleet.monitor_every / 60))
+    lines.append(f"*/{every} * * * * {cd}flock -n {shlex.quote(str(lock_dir / 'monitor.lock'))} "
+                 f"{shlex.quote(fleet_bin)}{cfg_arg} monitor --once >> {shlex.quote(str(lock_dir / 'monitor.log'))} 2>&1")
+    return lines
+
+
+def validate_schedules(cfg: FleetConfig) -> None:
+    for lane in cfg.lanes.values():
+        if lane.cron:
+            cron_trigger(lane.cron)
