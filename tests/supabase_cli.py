@@ -110,11 +110,15 @@ class CliResult:
 
 
 def write_project(folder: Path, migrations: list[Migration]) -> Path:
-    """A CLI project in ``folder``: the given migration files in ``supabase/migrations``."""
+    """A CLI project in ``folder``: the given migrations in ``supabase/migrations``.
+
+    Each file gets the text the Migration was loaded with (not the file as it is now), so the CLI
+    and ``migrate(migrations=...)`` see the same SQL even if the source file changes meanwhile.
+    """
     target = folder / "supabase" / "migrations"
     target.mkdir(parents=True, exist_ok=True)
     for m in migrations:
-        (target / m.path.name).write_bytes(m.path.read_bytes())
+        (target / m.path.name).write_text(m.sql, encoding="utf-8", newline="")
     return folder
 
 

@@ -10,7 +10,8 @@ It keeps its record in the Supabase CLI's own table, ``supabase_migrations.schem
 - An applied file that was edited afterwards stops the run before anything is applied. The CLI
   stores a file as its statements (split at ``;``, trimmed, without the ``;``), not a checksum, so
   the comparison ignores white space and semicolons: both sides are reduced to their other
-  characters and compared. An edit that changes any token is caught; re-indenting is not an edit.
+  characters and compared. An edit that changes any other character is caught; re-indenting is
+  not an edit (nor, a known limit, is changing only the spaces inside a string literal).
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ def migrate(
     conninfo: str, *, dry_run: bool = False, migrations: Sequence[Migration] | None = None
 ) -> MigrateResult:
     """Apply pending migrations, each in one transaction under the migration lock."""
-    migrations = load_migrations() if migrations is None else list(migrations)
+    migrations = load_migrations() if migrations is None else sorted(migrations, key=lambda m: m.version)
     result = MigrateResult()
     with psycopg.connect(conninfo, autocommit=True) as conn:
         with conn.transaction():
