@@ -136,7 +136,9 @@ begin
         return;
     end if;
 
-    -- 1. sessions that stopped heartbeating: lost, and their tasks released at once
+    -- 1. sessions that stopped heartbeating: lost, and their tasks released at once. The rows are
+    --    locked here, so a heartbeat that commits meanwhile is seen (the condition is rechecked on
+    --    the newest row) and a session busy in a call right now is left for the next pass.
     for r in
         select s.id
           from fleet.sessions s
@@ -144,6 +146,7 @@ begin
          where s.state = 'active'
            and s.heartbeat_at < now() - make_interval(secs => coalesce(l.session_timeout_seconds, l.lease_seconds))
          order by s.id
+           for no key update of s skip locked
     loop
         return query select * from fleet.declare_session_lost(r.id, 'heartbeat-timeout');
     end loop;

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 import typer
+from rich.markup import escape
 
 from monitor import commands as monitor_commands
 from worker import cli as worker_cli
@@ -25,7 +26,11 @@ def main() -> None:
     try:
         app()  # standalone: usage errors and --help exit here with click's codes
     except FleetError as exc:
-        worker_cli.err_console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        # one line (a driver message can span several); it may quote user input ("[/x]"):
+        # escape it, or rich reads it as markup
+        message = " ".join(str(exc).split())
+        worker_cli.err_console.print(f"[red]error:[/] {escape(message)}", highlight=False,
+                                     soft_wrap=True)
         sys.exit(1)
 
 

@@ -18,9 +18,9 @@ from rich.table import Table
 
 from monitor.host import ShiftLauncher, crontab_lines, shift_env
 from monitor.reconcile import monitor_pass
-from worker.cli import JsonOpt, console, emit_json, rt
+from worker.cli import JsonOpt, console, err_console, rt
 from worker.config import parse_duration
-from worker.errors import InvalidInput
+from worker.errors import FleetError, InvalidInput
 from worker.migrate import migrate as run_migrations
 from worker.models import RepairAction
 from worker.runtime import Runtime
@@ -61,7 +61,16 @@ def monitor(
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     while True:
-        actions = monitor_pass(store, r.cfg, local=not no_local)
+        try:
+            actions = monitor_pass(store, r.cfg, local=not no_local)
+        except FleetError as exc:
+            if not interval:
+                raise
+            # a loop outlives a database outage: the next pass repairs what this one could not
+            err_console.print(f"monitor pass failed: {exc}", highlight=False)
+            if stop.wait(interval):
+                return
+            continue
         if as_json:
             print(json.dumps([a.model_dump(mode="json") for a in actions]), flush=True)
         elif actions:
@@ -110,10 +119,12 @@ def run(
     console.print(f"fleet run: lanes {', '.join(scheduled) or 'none scheduled'}; monitor every "
                   f"{r.cfg.fleet.monitor_every:g}s", highlight=False)
     stop.wait(limit)
-    scheduler.shutdown(wait=False)
+    # wait for a job under way: a launch finishing after stop_all() would leave its shift behind
+    scheduler.shutdown(wait=True)
     launcher.stop_all()
     monitor_pass(store, r.cfg)
-    console.print(json.dumps({"launched": launcher.launched, "max_concurrent": launcher.max_seen}))
+    # plain print: rich would wrap a long line at the console width and break the JSON
+    print(json.dumps({"launched": launcher.launched, "max_concurrent": launcher.max_seen}), flush=True)
 
 
 def crontab(

@@ -129,10 +129,24 @@ def crontab_lines(cfg: FleetConfig, *, fleet_bin: str, workdir: Path, config: Pa
             for i in range(lane.max_shifts)
         )
         lines.append(f"{' '.join(fields)} {cd}{{ {locks}; }} >> {shlex.quote(str(lock_dir / f'shift-{name}.log'))} 2>&1")
-    every = max(1, round(cfg.fleet.monitor_every / 60))
-    lines.append(f"*/{every} * * * * {cd}flock -n {shlex.quote(str(lock_dir / 'monitor.lock'))} "
-                 f"{shlex.quote(fleet_bin)}{cfg_arg} monitor --once >> {shlex.quote(str(lock_dir / 'monitor.log'))} 2>&1")
+    lines.append(f"{monitor_schedule(cfg.fleet.monitor_every)} {cd}"
+                 f"flock -n {shlex.quote(str(lock_dir / 'monitor.lock'))} "
+                 f"{shlex.quote(fleet_bin)}{cfg_arg} monitor --once "
+                 f">> {shlex.quote(str(lock_dir / 'monitor.log'))} 2>&1")
     return lines
+
+
+def monitor_schedule(seconds: float) -> str:
+    """Cron fields for a monitor every ``seconds``: cron's unit is the minute (less is rounded up
+    to a minute), and a step in the minute field cannot exceed an hour (``*/120`` would run hourly)."""
+    minutes = max(1, round(seconds / 60))
+    if minutes < 60:
+        return f"*/{minutes} * * * *"
+    hours = max(1, round(minutes / 60))
+    if hours < 24:
+        return f"0 */{hours} * * *"
+    days = max(1, round(hours / 24))
+    return "0 0 * * *" if days == 1 else f"0 0 */{days} * *"
 
 
 def validate_schedules(cfg: FleetConfig) -> None:

@@ -13,11 +13,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
 
+import psycopg
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from worker.errors import InvalidInput
+from worker.errors import DatabaseUnavailable, InvalidInput
 from worker.migrate import migrate as run_migrations
 from worker.runtime import Runtime
 
@@ -68,7 +70,10 @@ def migrate(
 ) -> None:
     """Apply pending migrations (each in one transaction, safe to run concurrently)."""
     r = rt(ctx)
-    result = run_migrations(r.url, dry_run=dry_run)
+    try:
+        result = run_migrations(r.url, dry_run=dry_run)
+    except psycopg.OperationalError as exc:
+        raise DatabaseUnavailable(f"cannot connect to the database: {exc}") from None
     lanes = r.sync_lanes() if sync and not dry_run else {}
     if as_json:
         emit_json({
@@ -188,7 +193,7 @@ def enqueue(
         print(task_id)
     else:
         print(task_id)
-        err_console.print(f"key {key!r} already existed: task {task_id} (nothing new queued)")
+        err_console.print(f"key {escape(repr(key))} already existed: task {task_id} (nothing new queued)")
 
 
 @app.command()
@@ -209,8 +214,8 @@ def tasks(
         return
     table = Table("id", "lane", "key", "state", "prio", "attempts", "fail", "evap", "handoffs", "title")
     for t in rows:
-        table.add_row(str(t.id), t.lane, t.key, t.state, str(t.priority), str(t.attempts),
-                      str(t.failures), str(t.evaporations), str(t.handoffs), t.title or "")
+        table.add_row(str(t.id), t.lane, escape(t.key), t.state, str(t.priority), str(t.attempts),
+                      str(t.failures), str(t.evaporations), str(t.handoffs), escape(t.title or ""))
     console.print(table)
 
 
@@ -225,20 +230,20 @@ def show(ctx: typer.Context, ref: TaskRef, as_json: JsonOpt = False) -> None:
         emit_json({"task": _jsonable(task), "runs": [_jsonable(r) for r in runs],
                    "events": [_jsonable(e) for e in events]})
         return
-    console.print(f"[bold]task {task.id}[/] {task.key}  lane [bold]{task.lane}[/]  state [bold]{task.state}[/]")
+    console.print(f"[bold]task {task.id}[/] {escape(task.key)}  lane [bold]{task.lane}[/]  state [bold]{task.state}[/]")
     if task.title:
-        console.print(f"title: {task.title}")
+        console.print(f"title: {escape(task.title)}")
     console.print(f"attempts {task.attempts}  failures {task.failures}  evaporations {task.evaporations}"
                   f"  handoffs {task.handoffs}  priority {task.priority}")
     if task.dead_reason:
-        console.print(f"dead: {task.dead_reason}")
+        console.print(f"dead: {escape(task.dead_reason)}")
     if task.last_error:
-        console.print(f"last error: {task.last_error}")
+        console.print(f"last error: {escape(task.last_error)}")
     if task.agent_session:
-        console.print(f"agent session: {task.agent_session}")
-    console.print(f"payload: {json.dumps(task.payload)}")
+        console.print(f"agent session: {escape(task.agent_session)}")
+    console.print(f"payload: {escape(json.dumps(task.payload))}")
     if task.checkpoint is not None:
-        console.print(f"checkpoint #{task.checkpoint_seq}: {json.dumps(task.checkpoint)}")
+        console.print(f"checkpoint #{task.checkpoint_seq}: {escape(json.dumps(task.checkpoint))}")
     if task.stages:
         console.print("stages:")
         for i, st in enumerate([*task.stages, {"lane": task.lane, "current": True}], 1):
@@ -246,7 +251,7 @@ def show(ctx: typer.Context, ref: TaskRef, as_json: JsonOpt = False) -> None:
                 console.print(f"  {i}. {st['lane']} (current, {task.state})")
             else:
                 console.print(f"  {i}. {st['lane']} → {st.get('routed_to')}  attempts {st.get('attempts')}"
-                              f"  note {json.dumps(st.get('note'))}")
+                              f"  note {escape(json.dumps(st.get('note')))}")
     if runs:
         table = Table("run", "lane", "attempt", "outcome", "exit", "tokens in/cache/out", "cost $", "started")
         for r in runs:
@@ -257,7 +262,7 @@ def show(ctx: typer.Context, ref: TaskRef, as_json: JsonOpt = False) -> None:
         console.print(table)
     table = Table("event", "time", "kind", "detail")
     for e in events:
-        table.add_row(str(e.id), e.ts.strftime("%H:%M:%S"), e.kind, json.dumps(e.detail)[:100])
+        table.add_row(str(e.id), e.ts.strftime("%H:%M:%S"), e.kind, escape(json.dumps(e.detail)[:100]))
     console.print(table)
 
 

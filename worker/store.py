@@ -200,8 +200,10 @@ class PostgresStore:
                 title: str | None = None, delay_seconds: float | None = None) -> tuple[int, bool]:
         """Queue a task; (id, created). ``delay_seconds`` counts from the database's now()."""
         rows = self._run(
-            "select task_id, created from fleet.enqueue_task(%s, %s, %s, %s,"
-            " coalesce(%s::timestamptz, now() + make_interval(secs => coalesce(%s, 0))), %s, %s)",
+            # ::int: a Python int past int4 is sent as bigint, which matches no fleet.enqueue_task
+            # ("function does not exist", read as "not migrated"); cast, and it is out of range
+            "select task_id, created from fleet.enqueue_task(%s, %s, %s, %s::int,"
+            " coalesce(%s::timestamptz, now() + make_interval(secs => coalesce(%s, 0))), %s::int, %s)",
             (lane, key, _json(payload if payload is not None else {}), priority, run_at, delay_seconds,
              max_attempts, title),
         )

@@ -1,0 +1,364 @@
+"""The ``fleet`` CLI (issue #2), run for real as a subprocess against a real database.
+
+Each call is a fresh ``python -m monitor.cli`` with FLEET_CONFIG pointing at a fleet.toml in a tmp
+folder and DATABASE_URL at a test database. Bad inputs are many and each costs a process start,
+so they run concurrently against one module-scoped database and are checked one by one after:
+each exits 1 with ONE line on stderr, no traceback, and writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from conftest import create_database, drop_database
+from psycopg.conninfo import make_conninfo
+from psycopg.rows import dict_row
+
+from worker.config import load_config
+from worker.store import PostgresStore, lane_settings
+
+FLEET_TOML = """\
+[lanes.docs]
+command = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+max_running = 2
+
+[lanes.review]
+command = "python -m worker.example_agent {prompt_file}"
+max_running = 1
+accepts_from = ["docs"]
+"""
+
+
+def base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_") and k != "DATABASE_URL"}
+    env["COLUMNS"] = "200"  # rich tables: no truncated cells
+    return env
+
+
+def fleet(*args: str, url: str, config: Path | str, cwd: Path, env: dict[str, str] | None = None,
+          ) -> subprocess.CompletedProcess[str]:
+    full = {**base_env(), "DATABASE_URL": url, "FLEET_CONFIG": str(config), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "monitor.cli", *args], cwd=cwd, env=full,
+                          capture_output=True, text=True, timeout=120)
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 0, f"rc={result.returncode}\nstdout={result.stdout}\nstderr={result.stderr}"
+    assert "Traceback" not in result.stderr
+    return result.stdout
+
+
+def one_value(url: str, query: str, params: Any = None) -> Any:
+    with psycopg.connect(url, autocommit=True) as c:
+        row = c.execute(query, params).fetchone()
+    return None if row is None else row[0]
+
+
+def task_row(url: str, ref: int | str) -> dict[str, Any] | None:
+    column = "id" if isinstance(ref, int) else "key"
+    with psycopg.connect(url, autocommit=True, row_factory=dict_row) as c:
+        return c.execute(f"select * from fleet.tasks where {column} = %s", (ref,)).fetchone()
+
+
+def counts(url: str) -> tuple[int, int]:
+    return (one_value(url, "select count(*) from fleet.tasks"),
+            one_value(url, "select count(*) from fleet.events"))
+
+
+def synced_store(url: str, config: Path) -> PostgresStore:
+    """A store on ``url`` whose lanes are the config's (what `fleet lanes sync` does)."""
+    cfg = load_config(config, environ={})
+    store = PostgresStore(url)
+    for name, lane in cfg.lanes.items():
+        store.sync_lane(name, lane_settings(lane))
+    return store
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cli")
+    (path / "fleet.toml").write_text(FLEET_TOML)
+    (path / "payload.json").write_text(json.dumps({"issue": 473, "repo": "acme/app"}))
+    (path / "array.json").write_text("[1, 2]")
+    (path / "bad-max-running.toml").write_text(FLEET_TOML.replace("max_running = 2", "max_running = -1"))
+    (path / "bad-toml.toml").write_text("[lanes.docs\n")
+    return path
+
+
+@pytest.fixture
+def config(home: Path) -> Path:
+    return home / "fleet.toml"
+
+
+# ------------------------------------------------------------------------------------------------
+# migrate and lanes
+
+
+def test_migrate_an_empty_database(empty_db_url: str, tmp_path: Path, home: Path) -> None:
+    cfg = tmp_path / "fleet.toml"
+    cfg.write_text(FLEET_TOML)
+
+    out = ok(fleet("migrate", "--dry-run", url=empty_db_url, config=cfg, cwd=tmp_path))
+    assert "3 pending" in out
+    for name in ("20261130100000_fleet_schema.sql", "20261130100100_fleet_api.sql",
+                 "20261130100200_fleet_lanes_reconcile.sql"):
+        assert name in out
+    assert one_value(empty_db_url, "select to_regnamespace('fleet')") is None  # applied nothing
+    assert one_value(empty_db_url, "select to_regclass('supabase_migrations.schema_migrations')") is None
+
+    out = ok(fleet("migrate", url=empty_db_url, config=cfg, cwd=tmp_path))
+    assert out.count("applied ") == 3
+    assert "lane docs: created" in out and "lane review: created" in out
+    assert one_value(empty_db_url, "select count(*) from supabase_migrations.schema_migrations") == 3
+    assert one_value(empty_db_url, "select array_agg(name order by name) from fleet.lanes") == ["docs", "review"]
+
+    out = ok(fleet("migrate", url=empty_db_url, config=cfg, cwd=tmp_path))
+    assert "nothing to apply" in out
+    assert "3 already applied" in out
+    assert "lane " not in out  # unchanged lanes are not reported
+
+    # a changed lane is synced by the next migrate; --json is parseable
+    cfg.write_text(FLEET_TOML.replace("max_running = 2", "max_running = 5"))
+    data = json.loads(ok(fleet("migrate", "--json", url=empty_db_url, config=cfg, cwd=tmp_path)))
+    assert data == {"applied": [], "pending": [], "already_applied": 3,
+                    "lanes": {"docs": "updated", "review": "unchanged"}}
+
+    lanes = json.loads(ok(fleet("lanes", "list", "--json", url=empty_db_url, config=cfg, cwd=tmp_path)))
+    by_name = {row["name"]: row for row in lanes}
+    assert set(by_name) == {"docs", "review"}
+    assert by_name["docs"]["max_running"] == 5
+    assert by_name["review"]["accepts_from"] == ["docs"]
+
+
+# ------------------------------------------------------------------------------------------------
+# enqueue
+
+
+def test_enqueue_prints_the_id_and_is_idempotent_on_key(db_url: str, config: Path, home: Path) -> None:
+    synced_store(db_url, config).close()
+    first = fleet("enqueue", "docs", "--key", "issue:473", "--payload", f"@{home / 'payload.json'}",
+                  "--title", "Fix the docs", "--priority", "7", "--max-attempts", "4",
+                  "--run-at", "2030-01-02T03:04:05+02:00", url=db_url, config=config, cwd=home)
+    task_id = int(ok(first).strip())  # the id, and only the id
+    assert first.stderr == ""
+    row = task_row(db_url, task_id)
+    assert row is not None
+    assert (row["key"], row["lane"], row["payload"], row["title"], row["priority"], row["max_attempts"],
+            row["state"]) == ("issue:473", "docs", {"issue": 473, "repo": "acme/app"}, "Fix the docs", 7, 4,
+                              "queued")
+    assert row["run_at"] == datetime(2030, 1, 2, 1, 4, 5, tzinfo=UTC)
+    before = counts(db_url)
+
+    again = fleet("enqueue", "docs", "--key", "issue:473", "--payload", '{"other": true}', "--priority", "9",
+                  url=db_url, config=config, cwd=home)
+    assert ok(again).strip() == str(task_id)
+    note = again.stderr.strip().splitlines()
+    assert len(note) == 1 and "already existed" in note[0] and str(task_id) in note[0]
+    assert counts(db_url) == before
+    assert task_row(db_url, task_id) == row  # untouched
+
+
+def test_enqueue_run_at(db_url: str, config: Path, home: Path) -> None:
+    synced_store(db_url, config).close()
+    before = one_value(db_url, "select now()")
+    out = ok(fleet("enqueue", "docs", "--key", "later", "--run-at", "+10m", url=db_url, config=config, cwd=home))
+    after = one_value(db_url, "select now()")
+    run_at = task_row(db_url, int(out))["run_at"]  # type: ignore[index]
+    # ten minutes after the database's now() at the time of the call
+    assert before + timedelta(minutes=10) <= run_at <= after + timedelta(minutes=10)
+
+    # an ISO time without a zone is UTC; --json says whether the key was new
+    data = json.loads(ok(fleet("enqueue", "review", "--key", "at", "--run-at", "2030-01-02T03:04:05", "--json",
+                               url=db_url, config=config, cwd=home)))
+    assert data["created"] is True
+    assert task_row(db_url, data["id"])["run_at"] == datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)  # type: ignore[index]
+
+
+# ------------------------------------------------------------------------------------------------
+# tasks, show, cancel, retry
+
+
+def test_tasks_filters_and_json(db_url: str, config: Path, home: Path) -> None:
+    with synced_store(db_url, config) as store:
+        d1, _ = store.enqueue("docs", "d1", title="first")
+        d2, _ = store.enqueue("docs", "d2")
+        d3, _ = store.enqueue("docs", "d3", title="third")
+        d4, _ = store.enqueue("docs", "d4")
+        store.enqueue("review", "r1")
+        # user data that looks like rich markup is printed as is (it raised MarkupError)
+        store.enqueue("review", "k[/x]", title="[/y] odd")
+        store.cancel(d2)
+        store.cancel(d4)
+
+    rows = json.loads(ok(fleet("tasks", "--lane", "docs", "--state", "queued", "--limit", "1", "--json",
+                               url=db_url, config=config, cwd=home)))
+    assert [r["id"] for r in rows] == [d3]  # newest first, docs only, queued only, one
+    assert rows[0]["key"] == "d3" and rows[0]["title"] == "third" and rows[0]["state"] == "queued"
+
+    table = ok(fleet("tasks", url=db_url, config=config, cwd=home))
+    for text in ("d1", "d2", "d3", "r1", "k[/x]", "[/y] odd", "cancelled", "first"):
+        assert text in table
+    assert table.index("k[/x]") < table.index("d3") < table.index("d1")
+    assert d1
+
+
+def test_show_cancel_retry(db_url: str, config: Path, home: Path) -> None:
+    with synced_store(db_url, config) as store:
+        task_id, _ = store.enqueue("docs", "issue:9", {"tags": ["[bold]"]}, title="[/y] nine")
+
+    data = json.loads(ok(fleet("show", "issue:9", "--json", url=db_url, config=config, cwd=home)))
+    assert data["task"]["id"] == task_id and data["task"]["key"] == "issue:9"
+    assert data["task"]["payload"] == {"tags": ["[bold]"]}
+    assert [e["kind"] for e in data["events"]] == ["enqueued"]
+    assert data["runs"] == []
+
+    assert f"task {task_id}: cancelled" in ok(fleet("cancel", "issue:9", url=db_url, config=config, cwd=home))
+    assert task_row(db_url, task_id)["state"] == "cancelled"  # type: ignore[index]
+    assert f"task {task_id}: queued" in ok(fleet("retry", str(task_id), url=db_url, config=config, cwd=home))
+    assert task_row(db_url, task_id)["state"] == "queued"  # type: ignore[index]
+
+    out = ok(fleet("show", str(task_id), url=db_url, config=config, cwd=home))
+    assert f"task {task_id}" in out and "issue:9" in out
+    assert "[/y] nine" in out and '"[bold]"' in out  # printed as is, not read as markup
+    for kind in ("enqueued", "cancelled", "retried"):
+        assert kind in out
+    assert out.index("enqueued") < out.index("cancelled") < out.index("retried")
+
+
+# ------------------------------------------------------------------------------------------------
+# bad inputs: exit 1, one line on stderr, no traceback, nothing written
+
+
+@dataclass
+class Bad:
+    id: str
+    args: list[str]
+    expect: str  # a substring of the one-line message
+    config: str = "fleet.toml"  # a file in `home`, or an absolute path
+    db: str = "module"  # "module": the shared migrated database; "empty": an unmigrated one
+    key: str | None = None  # an enqueue key that must not exist afterwards
+    unexpected: list[str] = field(default_factory=list)
+
+
+BAD = [
+    Bad("unknown-lane", ["enqueue", "nope", "--key", "bad:1"], "unknown lane 'nope'", key="bad:1"),
+    Bad("malformed-json", ["enqueue", "docs", "--key", "bad:2", "--payload", '{"a":'], "not valid JSON", key="bad:2"),
+    Bad("payload-array", ["enqueue", "docs", "--key", "bad:3", "--payload", "[1, 2]"], "must be a JSON object",
+        key="bad:3"),
+    Bad("payload-file-missing", ["enqueue", "docs", "--key", "bad:5", "--payload", "@/nonexistent/p.json"],
+        "/nonexistent/p.json", key="bad:5"),
+    Bad("payload-file-array", ["enqueue", "docs", "--key", "bad:6", "--payload", "@array.json"],
+        "must be a JSON object", key="bad:6"),
+    Bad("priority-negative", ["enqueue", "docs", "--key", "bad:7", "--priority", "-1"],
+        "priority must be between 0 and 1000", key="bad:7"),
+    Bad("priority-too-high", ["enqueue", "docs", "--key", "bad:8", "--priority", "1001"],
+        "priority must be between 0 and 1000", key="bad:8"),
+    Bad("priority-past-int4", ["enqueue", "docs", "--key", "bad:9", "--priority", "99999999999"],
+        "out of range", key="bad:9", unexpected=["migrate"]),
+    Bad("max-attempts-zero", ["enqueue", "docs", "--key", "bad:10", "--max-attempts", "0"],
+        "max_attempts must be at least 1", key="bad:10"),
+    Bad("run-at-word", ["enqueue", "docs", "--key", "bad:11", "--run-at", "tomorrow"],
+        "+<n>[s|m|h|d]", key="bad:11"),
+    Bad("empty-key", ["enqueue", "docs", "--key", ""], "task key must be 1 to 200 characters"),
+    Bad("existing-key-bad-priority", ["enqueue", "docs", "--key", "{queued_key}", "--priority", "5000"],
+        "priority must be between 0 and 1000"),
+    Bad("show-unknown-id", ["show", "99999999"], "no task with id or key '99999999'"),
+    Bad("show-unknown-key", ["show", "no:such:key", "--json"], "no task with id or key 'no:such:key'"),
+    Bad("show-markup-key", ["show", "[/bogus]"], "'[/bogus]'"),
+    Bad("cancel-unknown", ["cancel", "no:such:key"], "no task with id or key"),
+    Bad("retry-unknown", ["retry", "99999999"], "no task with id or key"),
+    Bad("retry-queued", ["retry", "{queued}"], "only dead or cancelled tasks can be retried"),
+    Bad("cancel-done", ["cancel", "{done_key}"], "only queued or running tasks can be cancelled"),
+    Bad("state-unknown", ["tasks", "--state", "bogus"], "--state 'bogus' is not a task state"),
+    Bad("config-max-running-enqueue", ["enqueue", "docs", "--key", "bad:20"], "lanes.docs.max_running",
+        config="bad-max-running.toml", key="bad:20"),
+    Bad("config-missing", ["enqueue", "docs", "--key", "bad:21"], "does not exist",
+        config="/nonexistent/fleet.toml", key="bad:21"),
+    Bad("config-not-toml", ["tasks"], "not valid TOML", config="bad-toml.toml"),
+    Bad("config-is-a-directory", ["tasks"], "cannot be read", config="/tmp"),
+    Bad("not-migrated", ["enqueue", "docs", "--key", "bad:22"], "fleet migrate", db="empty"),
+    Bad("unreachable", ["tasks"], "cannot connect to the database", db="unreachable"),
+    Bad("unreachable-migrate", ["migrate"], "cannot connect to the database", db="unreachable"),
+]
+
+
+@dataclass
+class BadRuns:
+    results: dict[str, subprocess.CompletedProcess[str]]
+    before: tuple[int, int]
+    after: tuple[int, int]
+    tasks_before: list[dict[str, Any]]
+    tasks_after: list[dict[str, Any]]
+    url: str
+    empty_url: str
+
+
+def _tasks(url: str) -> list[dict[str, Any]]:
+    with psycopg.connect(url, autocommit=True, row_factory=dict_row) as c:
+        return c.execute("select * from fleet.tasks order by id").fetchall()
+
+
+@pytest.fixture(scope="module")
+def bad_runs(pg_server: str, template_db: str, home: Path) -> Iterator[BadRuns]:
+    """Every BAD case, run concurrently against one migrated database (and one empty one)."""
+    name = create_database(pg_server, template=template_db)
+    empty = create_database(pg_server)
+    url, empty_url = make_conninfo(pg_server, dbname=name), make_conninfo(pg_server, dbname=empty)
+    try:
+        with synced_store(url, home / "fleet.toml") as store:
+            queued, _ = store.enqueue("docs", "existing:queued")
+            store.enqueue("docs", "existing:done", priority=10)
+            session = store.open_session("docs", "host-1", 4242, None, 600)
+            [done] = store.claim(session, 1)
+            assert done.key == "existing:done"
+            assert store.complete(done.id, done.lease_token) == "done"  # type: ignore[arg-type]
+        values = {"queued": str(queued), "queued_key": "existing:queued", "done_key": "existing:done"}
+        dbs = {"module": url, "empty": empty_url, "unreachable": "postgresql://postgres@127.0.0.1:1/nowhere"}
+
+        def run(case: Bad) -> subprocess.CompletedProcess[str]:
+            args = list(case.args)
+            for k, v in values.items():
+                args = [a.replace("{" + k + "}", v) for a in args]
+            return fleet(*args, url=dbs[case.db], config=home / case.config, cwd=home)
+
+        before, tasks_before = counts(url), _tasks(url)
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            results = dict(zip([c.id for c in BAD], pool.map(run, BAD), strict=True))
+        yield BadRuns(results, before, counts(url), tasks_before, _tasks(url), url, empty_url)
+    finally:
+        drop_database(pg_server, name)
+        drop_database(pg_server, empty)
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c.id for c in BAD])
+def test_bad_input_is_one_line_and_writes_nothing(case: Bad, bad_runs: BadRuns) -> None:
+    result = bad_runs.results[case.id]
+    report = f"rc={result.returncode}\nstdout={result.stdout!r}\nstderr={result.stderr!r}"
+    assert result.returncode == 1, report
+    assert "Traceback" not in result.stderr, report
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, report
+    assert lines[0].startswith("error: "), report
+    assert case.expect in lines[0], report
+    for word in case.unexpected:
+        assert word not in lines[0], report
+    assert result.stdout == "", report
+    # nothing written
+    assert bad_runs.after == bad_runs.before
+    assert bad_runs.tasks_after == bad_runs.tasks_before
+    if case.key is not None:
+        assert task_row(bad_runs.url, case.key) is None
+    if case.db == "empty":
+        assert one_value(bad_runs.empty_url, "select to_regnamespace('fleet')") is None
+        assert one_value(bad_runs.empty_url, "select to_regclass('supabase_migrations.schema_migrations')") is None

@@ -1,0 +1,445 @@
+"""The fleet monitor and the cron host (DESIGN §7): host-local pid checks, monitor passes against
+real ``fleet shift`` subprocesses, and the ``fleet monitor``, ``fleet run`` and ``fleet crontab``
+commands.
+
+Processes: every subprocess here is started by the test and, if still alive at the end, killed by
+its pid; agents are found by their workspace (under the test's tmp folder) and killed by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from itertools import pairwise
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psycopg
+import pytest
+from psycopg.rows import dict_row
+
+from monitor.reconcile import host_checks, monitor_pass
+from worker.config import FleetConfig, cron_trigger, load_config
+from worker.proc import process_start_time
+from worker.store import PostgresStore, lane_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+AGENT = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+HANG = {"mode": "hang"}
+
+T = TypeVar("T")
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str | Path):
+        return json.dumps(str(v))
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def write_config(tmp: Path, lanes: dict[str, dict[str, Any]], **fleet: Any) -> Path:
+    lines = ["[fleet]", f"workspaces = {toml_value(tmp / 'ws')}", f"home = {toml_value(tmp / 'home')}"]
+    lines += [f"{k} = {toml_value(v)}" for k, v in fleet.items()]
+    for name, settings in lanes.items():
+        lines += ["", f"[lanes.{name}]"]
+        lines += [f"{k} = {toml_value(v)}" for k, v in {"command": AGENT, **settings}.items()]
+    path = tmp / "fleet.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def wait_for(what: str, fn: Callable[[], T], timeout: float = 15.0, every: float = 0.05) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {value!r})")
+        time.sleep(every)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def pids_under(folder: Path) -> set[int]:
+    """Live processes whose cwd or command line is under ``folder`` (the test's own tmp folder)."""
+    needle = str(folder)
+    found: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            continue
+        if (needle in cmdline or cwd.startswith(needle)) and alive(int(entry.name)):
+            found.add(int(entry.name))
+    return found
+
+
+class Fleet:
+    """A fleet.toml in a tmp folder, its lanes synced into the test's database, and helpers."""
+
+    def __init__(self, db_url: str, tmp: Path, lanes: dict[str, dict[str, Any]], **fleet: Any) -> None:
+        self.db_url = db_url
+        self.tmp = tmp
+        self.toml = write_config(tmp, lanes, **fleet)
+        self.cfg: FleetConfig = load_config(self.toml, environ={"DATABASE_URL": db_url})
+        self.store = PostgresStore(db_url, min_size=1, max_size=3)
+        for name, lane in self.cfg.lanes.items():
+            self.store.sync_lane(name, lane_settings(lane))
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_") and k != "DATABASE_URL"}
+        env.update({"DATABASE_URL": self.db_url, "FLEET_CONFIG": str(self.toml)})
+        return env
+
+    def spawn(self, *args: str, log: str = "proc.log") -> subprocess.Popen[bytes]:
+        out = (self.tmp / log).open("ab")
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "monitor.cli", *args], cwd=ROOT, env=self.env(),
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        finally:
+            out.close()
+        self.procs.append(proc)
+        return proc
+
+    def spawn_shift(self, lane: str, *args: str) -> subprocess.Popen[bytes]:
+        return self.spawn("shift", "--lane", lane, "--max-seconds", "60", "--poll", "0.1", *args,
+                          log=f"shift-{lane}.log")
+
+    def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "monitor.cli", *args], cwd=ROOT, env=self.env(),
+                              capture_output=True, text=True, timeout=timeout)
+
+    def sql(self, query: str, params: Any = ()) -> list[dict[str, Any]]:
+        with psycopg.connect(self.db_url, autocommit=True, row_factory=dict_row) as c:
+            cur = c.execute(query, params)  # type: ignore[arg-type]
+            return cur.fetchall() if cur.description else []
+
+    def enqueue(self, lane: str, n: int, payload: dict[str, Any]) -> list[int]:
+        return [self.store.enqueue(lane, f"{lane}:{i}", payload)[0] for i in range(n)]
+
+    def tasks(self, ids: list[int]) -> list[dict[str, Any]]:
+        return self.sql("select * from fleet.tasks where id = any(%s) order by id", (ids,))
+
+    def states(self, ids: list[int]) -> list[str]:
+        return [t["state"] for t in self.tasks(ids)]
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+        for pid in pids_under(self.tmp):  # agents that outlived a test failure
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.store.close()
+
+
+@pytest.fixture
+def make_fleet(db_url: str, tmp_path: Path) -> Iterator[Callable[..., Fleet]]:
+    made: list[Fleet] = []
+
+    def make(lanes: dict[str, dict[str, Any]], **fleet: Any) -> Fleet:
+        f = Fleet(db_url, tmp_path, lanes, **fleet)
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def lane(**kw: Any) -> dict[str, Any]:
+    return {"lease_seconds": 60, "max_running": 4, "max_attempts": 3, "grace_seconds": 1,
+            "backoff_base_seconds": 0, **kw}
+
+
+def kinds(actions: list[Any]) -> list[str]:
+    return [a.action for a in actions]
+
+
+# ------------------------------------------------------------------------------------------------
+# a shift killed with SIGKILL
+
+
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "zombie"])
+def test_a_killed_shift_is_repaired_within_one_pass_on_its_host(make_fleet, reaped):
+    """Same host: the pid check sees the shift is gone and releases its tasks at once, although
+    their leases (60 s) have not expired. ``zombie``: the dead shift has not been reaped by its
+    parent yet (as under ``fleet run``, which reaps at its next launch) — it is gone all the same."""
+    fleet = make_fleet({"docs": lane(lease_seconds=60)})
+    ids = fleet.enqueue("docs", 2, HANG)
+    proc = fleet.spawn_shift("docs")
+    wait_for("both tasks running", lambda: fleet.states(ids) == ["running", "running"])
+    (sess,) = fleet.sql("select * from fleet.sessions")
+    assert sess["pid"] == proc.pid and sess["host"] == socket.gethostname()
+    agents = wait_for("the agents", lambda: pids_under(fleet.tmp / "ws") if len(pids_under(fleet.tmp / "ws")) >= 2 else set())
+
+    os.kill(proc.pid, signal.SIGKILL)
+    if reaped:
+        proc.wait(10)
+    else:
+        wait_for("the shift to be a zombie", lambda: not alive(proc.pid))
+
+    actions = monitor_pass(fleet.store, fleet.cfg)
+
+    assert kinds(actions) == ["session_lost", "released", "released"], actions
+    assert actions[0].detail["reason"] == "pid-gone"
+    assert sorted(a.task_id for a in actions[1:]) == ids
+    for t in fleet.tasks(ids):
+        assert (t["state"], t["evaporations"], t["attempts"]) == ("queued", 1, 1)
+        assert t["lease_token"] is None
+    (s,) = fleet.sql("select * from fleet.sessions")
+    assert (s["state"], s["end_reason"]) == ("lost", "pid-gone")
+    reasons = [e["detail"]["reason"] for e in fleet.sql("select * from fleet.events where kind = 'repaired'")]
+    assert reasons == ["pid-gone", "pid-gone"]
+    assert monitor_pass(fleet.store, fleet.cfg) == []  # nothing twice
+    # and the agents died with their shift (the supervisor's pipe), without the monitor's help
+    wait_for("the agents to die with their shift", lambda: not any(alive(p) for p in agents), timeout=10)
+    if not reaped:
+        proc.wait(10)
+
+
+def test_a_killed_shift_on_another_host_is_repaired_after_its_lease(make_fleet):
+    """Another host cannot see the pid: the tasks come back when the session times out / the
+    lease expires (3 s here), not at the first pass."""
+    fleet = make_fleet({"docs": lane(lease_seconds=3)})
+    ids = fleet.enqueue("docs", 2, HANG)
+    proc = fleet.spawn_shift("docs")
+    wait_for("both tasks running", lambda: fleet.states(ids) == ["running", "running"])
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    killed = time.monotonic()
+
+    assert host_checks(fleet.store, host="some-other-host") == []
+    first = monitor_pass(fleet.store, fleet.cfg, host="some-other-host")
+    assert first == [], first
+    first_remote = monitor_pass(fleet.store, fleet.cfg, local=False)
+    assert first_remote == [], first_remote
+    assert fleet.states(ids) == ["running", "running"]
+
+    repaired: list[Any] = []
+
+    def passed() -> bool:
+        repaired.extend(monitor_pass(fleet.store, fleet.cfg, local=False))
+        return fleet.states(ids) == ["queued", "queued"]
+
+    wait_for("the repair after the lease", passed, timeout=15, every=0.25)
+    took = time.monotonic() - killed
+    assert took >= 1.5, f"repaired {took:.1f} s after the kill: before the lease could expire"
+    assert sorted(a.task_id for a in repaired if a.action == "released") == ids
+    (s,) = fleet.sql("select * from fleet.sessions")
+    assert (s["state"], s["end_reason"]) == ("lost", "heartbeat-timeout")
+    assert [t["evaporations"] for t in fleet.tasks(ids)] == [1, 1]
+
+
+def test_pid_checks_of_this_host(make_fleet):
+    fleet = make_fleet({"docs": lane()})
+    store, host = fleet.store, socket.gethostname()
+    me = os.getpid()
+    started = process_start_time(me)
+    assert started is not None
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert process_start_time(gone.pid) is None
+    (tid,) = fleet.enqueue("docs", 1, {})
+
+    reused = store.open_session("docs", host, me, started - timedelta(hours=1), 600)
+    held = store.claim(reused, 1)
+    assert [t.id for t in held] == [tid]
+    same = store.open_session("docs", host, me, started, 600)
+    no_start = store.open_session("docs", host, me, None, 600)
+    gone_here = store.open_session("docs", host, gone.pid, None, 600)
+    gone_elsewhere = store.open_session("docs", "another-host", gone.pid, None, 600)
+
+    actions = host_checks(store)
+
+    lost = {a.session_id: a.detail["reason"] for a in actions if a.action == "session_lost"}
+    assert lost == {reused: "pid-reused", gone_here: "pid-gone"}
+    assert [(a.action, a.task_id) for a in actions if a.action != "session_lost"] == [("released", tid)]
+    state = {r["id"]: (r["state"], r["end_reason"]) for r in fleet.sql("select * from fleet.sessions")}
+    assert state == {reused: ("lost", "pid-reused"), gone_here: ("lost", "pid-gone"),
+                     same: ("active", None), no_start: ("active", None), gone_elsewhere: ("active", None)}
+    (t,) = fleet.tasks([tid])
+    assert (t["state"], t["evaporations"]) == ("queued", 1)
+    assert host_checks(store) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# fleet monitor
+
+
+def test_fleet_monitor_json_and_refusals(make_fleet):
+    fleet = make_fleet({"docs": lane()})
+    (tid,) = fleet.enqueue("docs", 1, {})
+    s = fleet.store.open_session("docs", "another-host", 4242, None, 600)
+    fleet.store.claim(s, 1)
+    fleet.sql("update fleet.tasks set lease_expires_at = now() - interval '1 second'")
+
+    refused = fleet.cli("monitor", "--once", "--every", "1s")
+    assert refused.returncode == 1
+    assert refused.stdout == ""
+    err = refused.stderr.strip()
+    assert len(err.splitlines()) == 1 and "--once" in err and "--every" in err, err
+    assert "Traceback" not in refused.stderr
+    assert fleet.states([tid]) == ["running"]  # refused before any pass
+
+    out = fleet.cli("monitor", "--json")
+    assert out.returncode == 0, out.stderr
+    actions = json.loads(out.stdout)
+    assert [(a["action"], a["task_id"], a["detail"]["reason"]) for a in actions] == \
+        [("released", tid, "lease-expired")]
+    assert actions[0]["session_id"] == str(s) and actions[0]["lane"] == "docs"
+    assert fleet.states([tid]) == ["queued"]
+
+    plain = fleet.cli("monitor")
+    assert plain.returncode == 0 and "nothing to repair" in plain.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# fleet run
+
+
+def test_fleet_run_launches_shifts_on_cron_and_never_past_max_shifts(make_fleet):
+    fleet = make_fleet(
+        # short shifts (about 2 s of work): a lane's next shift may start only after the last ended
+        {name: lane(cron="*/2 * * * * *", max_shifts=1, shift_minutes=0.03, max_running=2)
+         for name in ("docs", "bugfix")},
+        monitor_every="2s",
+    )
+    ids = fleet.enqueue("docs", 1, HANG) + fleet.enqueue("bugfix", 1, HANG)
+    err = (fleet.tmp / "run.err").open("wb")
+    run = subprocess.Popen([sys.executable, "-m", "monitor.cli", "run"], cwd=ROOT, env=fleet.env(),
+                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err)
+    err.close()
+    fleet.procs.append(run)
+
+    def second_shifts_at_work() -> bool:
+        per_lane = fleet.sql("select lane, count(*) as n from fleet.sessions group by lane")
+        running = fleet.sql("select count(*) as n from fleet.tasks where state = 'running'")[0]["n"]
+        return len(per_lane) == 2 and sum(r["n"] for r in per_lane) >= 3 and running >= 1
+
+    # a few seconds on a quiet machine; SIGTERM while a shift has a task running
+    wait_for("a shift in each lane and a second one", second_shifts_at_work, timeout=40, every=0.1)
+    run.send_signal(signal.SIGTERM)
+    out, _ = run.communicate(timeout=40)
+
+    assert run.returncode == 0, (fleet.tmp / "run.err").read_text()[-3000:]
+    summary = json.loads(out.decode().strip().splitlines()[-1])
+    sessions = fleet.sql("select * from fleet.sessions order by lane, started_at")
+    for name in ("docs", "bugfix"):
+        mine = [s for s in sessions if s["lane"] == name]
+        assert 1 <= len(mine) <= summary["launched"][name], (summary, mine)
+        assert summary["max_concurrent"][name] == 1
+        assert {s["end_reason"] for s in mine} <= {"deadline", "SIGTERM"}, mine
+        # never two shifts of a lane at once: each one ended before the next started
+        for before, after in pairwise(mine):
+            assert before["ended_at"] <= after["started_at"], (before, after)
+    assert len(sessions) >= 3
+    assert {s["end_reason"] for s in sessions} == {"deadline", "SIGTERM"}
+    # every shift ended cleanly and wrote its lane hand-off; none was lost
+    assert {s["state"] for s in sessions} == {"ended"}, [(s["state"], s["end_reason"]) for s in sessions]
+    assert fleet.sql("select count(*) as n from fleet.lane_handoffs")[0]["n"] == len(sessions)
+    # the running tasks were handed off (at each deadline and at SIGTERM), not lost
+    for t in fleet.tasks(ids):
+        assert t["state"] == "queued" and t["handoffs"] >= 1 and t["evaporations"] == 0, t
+    assert sum(t["handoffs"] for t in fleet.tasks(ids)) >= 2
+    outcomes = {r["outcome"] for r in fleet.sql("select outcome from fleet.runs")}
+    assert outcomes == {"handed_off"}, outcomes
+    assert fleet.sql("select count(*) as n from fleet.events where kind = 'repaired'")[0]["n"] == 0
+    assert not pids_under(fleet.tmp / "ws"), "an agent outlived fleet run"
+
+
+def test_fleet_run_for_a_duration(make_fleet):
+    fleet = make_fleet({"docs": lane(cron="0 0 1 1 *")})  # never due during the test
+    started = time.monotonic()
+    done = fleet.cli("run", "--for", "1s")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"launched": {}, "max_concurrent": {}}
+    assert time.monotonic() - started < 20
+
+
+# ------------------------------------------------------------------------------------------------
+# fleet crontab
+
+
+def test_fleet_crontab(make_fleet):
+    fleet = make_fleet({
+        "docs": lane(cron="*/10 * * * *", max_shifts=2),
+        "bugfix": lane(cron="30 */2 * * * *"),  # with a seconds field
+        "review": lane(),  # no cron: not scheduled
+    }, monitor_every="2m")
+
+    out = fleet.cli("crontab")
+
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
+    jobs = [ln for ln in lines if not ln.startswith("#") and "=" not in ln.split()[0]]
+    shift_lines = {ln.split("--lane ")[1].split(";")[0].split()[0]: ln for ln in jobs if " shift " in ln}
+    assert set(shift_lines) == {"docs", "bugfix"}
+    monitor_lines = [ln for ln in jobs if " monitor " in ln]
+    assert len(monitor_lines) == 1 and len(jobs) == 3
+    assert any(ln.startswith("#") and "review" in ln for ln in lines)
+
+    assert shift_lines["docs"].split()[:5] == ["*/10", "*", "*", "*", "*"]
+    assert shift_lines["bugfix"].split()[:5] == ["*/2", "*", "*", "*", "*"]
+    assert monitor_lines[0].split()[:5] == ["*/2", "*", "*", "*", "*"]
+    assert shift_lines["docs"].count("flock -n") == 2 and shift_lines["bugfix"].count("flock -n") == 1
+    assert "flock -n" in monitor_lines[0] and "monitor --once" in monitor_lines[0]
+    for ln in jobs:
+        cron_trigger(" ".join(ln.split()[:5]))  # valid cron fields
+        command = ln.split(None, 5)[5]
+        words = shlex.split(command.replace("{", " ").replace("}", " ").replace(";", " ").replace("||", " "))
+        fleet_bins = [w for w in words if w.endswith("/fleet")]
+        assert fleet_bins, ln
+        for b in fleet_bins:
+            assert os.path.isabs(b) and os.access(b, os.X_OK), b
+        assert str(fleet.toml.resolve()) in words, ln
+        assert f"cd {fleet.toml.parent.resolve()}" in ln or f"cd {shlex.quote(str(fleet.toml.parent.resolve()))}" in ln
+        syntax = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True)
+        assert syntax.returncode == 0, (ln, syntax.stderr)
+        assert fleet.db_url not in ln  # no credentials in a crontab
+    # distinct lock files per shift slot
+    locks = [w for w in shlex.split(shift_lines["docs"].split(None, 5)[5].replace(";", " ").replace("||", " "))
+             if w.endswith(".lock")]
+    assert len(set(locks)) == 2 and all(os.path.isabs(x) for x in locks)
+
+
+@pytest.mark.parametrize(("every", "fields"), [("30s", "*/1 * * * *"), ("5m", "*/5 * * * *"),
+                                               ("2h", "0 */2 * * *"), ("1d", "0 0 * * *")])
+def test_crontab_monitor_schedule(tmp_path, every, fields):
+    from monitor.host import crontab_lines
+
+    toml = write_config(tmp_path, {"docs": lane(cron="*/10 * * * *")}, monitor_every=every)
+    cfg = load_config(toml, environ={})
+    lines = crontab_lines(cfg, fleet_bin="/usr/local/bin/fleet", workdir=tmp_path, config=toml,
+                          lock_dir=tmp_path / "cron")
+    (mon,) = [ln for ln in lines if " monitor " in ln]
+    assert " ".join(mon.split()[:5]) == fields, mon

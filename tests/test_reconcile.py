@@ -1,0 +1,733 @@
+"""fleet.reconcile() and fleet.declare_session_lost() (DESIGN §7), called over psycopg.
+
+Time is driven by writing the columns the monitor reads (lease_expires_at, heartbeat_at, deadline,
+run_at) instead of sleeping. Each test gets a freshly migrated database (the ``conn`` fixture).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import uuid
+from collections import Counter
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+LEASE_LOST = "LF001"
+SESSION_NOT_ACTIVE = "LF006"
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+
+
+def rows(conn: psycopg.Connection, query: str, params: Any = None) -> list[dict[str, Any]]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(query, params)
+        return cur.fetchall() if cur.description else []
+
+
+def one(conn: psycopg.Connection, query: str, params: Any = None) -> Any:
+    row = conn.execute(query, params).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def lane(conn: psycopg.Connection, name: str = "a", **settings: Any) -> str:
+    settings.setdefault("lease_seconds", 60)
+    settings.setdefault("max_attempts", 3)
+    settings.setdefault("backoff_base_seconds", 0)
+    assert one(conn, "select fleet.sync_lane(%s, %s)", (name, Jsonb(settings))) == "created"
+    return name
+
+
+def enqueue(conn: psycopg.Connection, lane_name: str, key: str | None = None, **kw: Any) -> int:
+    return int(one(conn, "select fleet.enqueue(%s, %s, %s, 0, coalesce(%s::timestamptz, now()), %s)",
+                   (lane_name, key or f"k-{uuid.uuid4().hex[:10]}", Jsonb(kw.get("payload", {})),
+                    kw.get("run_at"), kw.get("max_attempts"))))
+
+
+def session(conn: psycopg.Connection, lane_name: str, host: str = "h1", pid: int = 4242,
+            seconds: int = 600) -> uuid.UUID:
+    return one(conn, "select fleet.open_session(%s, %s, %s, now(), %s)", (lane_name, host, pid, seconds))
+
+
+def claim(conn: psycopg.Connection, sess: uuid.UUID, n: int = 1) -> list[dict[str, Any]]:
+    got = rows(conn, "select * from fleet.claim(%s, %s)", (sess, n))
+    assert len(got) == n, got
+    return got
+
+
+def task(conn: psycopg.Connection, task_id: int) -> dict[str, Any]:
+    got = rows(conn, "select * from fleet.tasks where id = %s", (task_id,))
+    assert len(got) == 1
+    return got[0]
+
+
+def sess_row(conn: psycopg.Connection, sess: uuid.UUID) -> dict[str, Any]:
+    return rows(conn, "select * from fleet.sessions where id = %s", (sess,))[0]
+
+
+def reconcile(conn: psycopg.Connection, idle: int = 300, grace: int = 60) -> list[dict[str, Any]]:
+    return rows(conn, "select * from fleet.reconcile(%s, %s)", (idle, grace))
+
+
+def expire(conn: psycopg.Connection, *task_ids: int, ago: str = "1 second") -> None:
+    conn.execute("update fleet.tasks set lease_expires_at = now() - %s::interval where id = any(%s)",
+                 (ago, list(task_ids)))
+
+
+def repaired_events(conn: psycopg.Connection, task_id: int) -> list[dict[str, Any]]:
+    return rows(conn, "select * from fleet.events where kind = 'repaired' and task_id = %s order by id",
+                (task_id,))
+
+
+def events(conn: psycopg.Connection, kind: str, lane_name: str | None = None) -> list[dict[str, Any]]:
+    return rows(conn, "select * from fleet.events where kind = %s and (%s::text is null or lane = %s)"
+                      " order by id", (kind, lane_name, lane_name))
+
+
+def assert_fenced(conn: psycopg.Connection, task_id: int, token: uuid.UUID) -> None:
+    with pytest.raises(psycopg.Error) as info:
+        conn.execute("select fleet.complete(%s, %s, null)", (task_id, token))
+    assert info.value.sqlstate == LEASE_LOST, info.value
+    with pytest.raises(psycopg.Error) as info:
+        conn.execute("select fleet.checkpoint(%s, %s, '{}')", (task_id, token))
+    assert info.value.sqlstate == LEASE_LOST, info.value
+
+
+def actions(result: list[dict[str, Any]]) -> list[tuple[str, int | None]]:
+    return [(r["action"], r["task_id"]) for r in result]
+
+
+# ------------------------------------------------------------------------------------------------
+# expired leases
+
+
+def test_expired_lease_goes_back_to_the_queue(conn):
+    lane(conn)
+    enqueue(conn, "a")
+    enqueue(conn, "a")
+    s = session(conn, "a")
+    expired, alive = claim(conn, s, 2)
+    expire(conn, expired["id"])
+
+    result = reconcile(conn)
+
+    assert actions(result) == [("released", expired["id"])]
+    assert result[0]["lane"] == "a" and result[0]["session_id"] == s
+    assert result[0]["detail"] == {"reason": "lease-expired", "state": "queued"}
+    t = task(conn, expired["id"])
+    assert t["state"] == "queued"
+    assert (t["evaporations"], t["failures"], t["attempts"]) == (1, 0, 1)
+    assert t["lease_token"] is None and t["lease_expires_at"] is None and t["session_id"] is None
+    assert t["finished_at"] is None and t["dead_reason"] is None
+    # the run of the released lease is closed as lost
+    run = rows(conn, "select * from fleet.runs where lease_token = %s", (expired["lease_token"],))[0]
+    assert run["outcome"] == "lost" and run["ended_at"] is not None
+    assert "lease-expired" in run["error_tail"]
+    # one repaired event with its reason
+    (ev,) = repaired_events(conn, expired["id"])
+    assert ev["detail"]["reason"] == "lease-expired" and ev["detail"]["state"] == "queued"
+    assert ev["session_id"] == s and ev["lane"] == "a"
+    # the task whose lease is fine is untouched
+    other = task(conn, alive["id"])
+    assert other["state"] == "running" and other["lease_token"] == alive["lease_token"]
+    # the old token is fenced
+    assert_fenced(conn, expired["id"], expired["lease_token"])
+    # and the released task can be claimed again, by anyone
+    (again,) = claim(conn, session(conn, "a", host="h2"))
+    assert again["id"] == expired["id"] and again["attempts"] == 2
+    assert_fenced(conn, expired["id"], expired["lease_token"])
+
+
+def test_a_second_pass_repairs_nothing_more(conn):
+    lane(conn)
+    enqueue(conn, "a")
+    s = session(conn, "a")
+    (t,) = claim(conn, s)
+    expire(conn, t["id"])
+    assert actions(reconcile(conn)) == [("released", t["id"])]
+    assert reconcile(conn) == []
+    assert len(repaired_events(conn, t["id"])) == 1
+    assert task(conn, t["id"])["evaporations"] == 1
+
+
+def test_expired_lease_at_the_attempt_cap_is_dead_and_keeps_last_error(conn):
+    lane(conn, max_attempts=2)
+    s = session(conn, "a")
+    tid = enqueue(conn, "a")
+    (first,) = claim(conn, s)
+    assert one(conn, "select fleet.fail(%s, %s, 'boom: the tests fail')",
+               (tid, first["lease_token"])) == "queued"
+    (second,) = claim(conn, s)
+    expire(conn, tid)
+
+    result = reconcile(conn)
+
+    assert actions(result) == [("released", tid)]
+    assert result[0]["detail"] == {"reason": "lease-expired", "state": "dead"}
+    t = task(conn, tid)
+    assert t["state"] == "dead" and t["dead_reason"] == "attempt-cap"
+    assert (t["failures"], t["evaporations"]) == (1, 1)
+    assert t["last_error"] == "boom: the tests fail"
+    assert t["finished_at"] is not None and t["lease_token"] is None
+    (ev,) = repaired_events(conn, tid)
+    assert ev["detail"]["state"] == "dead"
+    assert_fenced(conn, tid, second["lease_token"])
+    assert reconcile(conn) == []  # a dead letter is not repaired again
+
+
+def test_evaporations_alone_spend_the_cap(conn):
+    lane(conn, max_attempts=3)
+    tid = enqueue(conn, "a")
+    states = []
+    for _ in range(3):
+        (t,) = claim(conn, session(conn, "a"))
+        expire(conn, tid)
+        states.append(reconcile(conn)[0]["detail"]["state"])
+    assert states == ["queued", "queued", "dead"]
+    t = task(conn, tid)
+    assert (t["state"], t["dead_reason"], t["evaporations"], t["attempts"]) == ("dead", "attempt-cap", 3, 3)
+
+
+def test_per_task_cap_overrides_the_lane(conn):
+    lane(conn, max_attempts=5)
+    tid = enqueue(conn, "a", max_attempts=1)
+    claim(conn, session(conn, "a"))
+    expire(conn, tid)
+    assert reconcile(conn)[0]["detail"]["state"] == "dead"
+    assert task(conn, tid)["dead_reason"] == "attempt-cap"
+
+
+# ------------------------------------------------------------------------------------------------
+# sessions that stopped heartbeating
+
+
+def test_stale_session_is_lost_and_all_its_tasks_released_at_once(conn):
+    lane(conn, lease_seconds=60)
+    lane(conn, "b", lease_seconds=60)
+    for _ in range(3):
+        enqueue(conn, "a")
+    stale = session(conn, "a")
+    fine = session(conn, "a", host="h2")
+    held = claim(conn, stale, 2)
+    (kept,) = claim(conn, fine)
+    # 61 s without a heartbeat; the leases were renewed long after (they have not expired)
+    conn.execute("update fleet.sessions set heartbeat_at = now() - interval '61 seconds' where id = %s",
+                 (stale,))
+    conn.execute("update fleet.sessions set heartbeat_at = now() - interval '50 seconds' where id = %s",
+                 (fine,))
+    assert one(conn, "select count(*) from fleet.tasks where state = 'running' and lease_expires_at > "
+                     "now() + interval '50 seconds'") == 3
+
+    result = reconcile(conn)
+
+    ids = sorted(t["id"] for t in held)
+    assert result[0]["action"] == "session_lost" and result[0]["session_id"] == stale
+    assert result[0]["detail"]["reason"] == "heartbeat-timeout"
+    assert sorted(r["task_id"] for r in result[1:]) == ids
+    assert all(r["action"] == "released" and r["detail"]["reason"] == "heartbeat-timeout" for r in result[1:])
+    assert len(result) == 3
+    s = sess_row(conn, stale)
+    assert s["state"] == "lost" and s["end_reason"] == "heartbeat-timeout" and s["ended_at"] is not None
+    assert sess_row(conn, fine)["state"] == "active"
+    for t in held:
+        row = task(conn, t["id"])
+        assert (row["state"], row["evaporations"]) == ("queued", 1)
+        (ev,) = repaired_events(conn, t["id"])
+        assert ev["detail"]["reason"] == "heartbeat-timeout"
+        assert_fenced(conn, t["id"], t["lease_token"])
+    assert task(conn, kept["id"])["state"] == "running"
+    assert len(events(conn, "session_lost")) == 1
+    # the lost shift learns it at its next call
+    with pytest.raises(psycopg.Error) as info:
+        conn.execute("select * from fleet.heartbeat(%s)", (stale,))
+    assert info.value.sqlstate == SESSION_NOT_ACTIVE
+
+
+def test_session_timeout_overrides_the_lease(conn):
+    lane(conn, "slow", lease_seconds=60)  # timeout: the lease, 60 s
+    lane(conn, "fast", lease_seconds=60, session_timeout_seconds=10)
+    slow = session(conn, "slow")
+    fast_ok = session(conn, "fast")
+    fast_gone = session(conn, "fast", host="h2")
+    for s, ago in ((slow, 30), (fast_ok, 5), (fast_gone, 11)):
+        conn.execute("update fleet.sessions set heartbeat_at = now() - make_interval(secs => %s) "
+                     "where id = %s", (ago, s))
+    result = reconcile(conn)
+    assert [(r["action"], r["session_id"]) for r in result] == [("session_lost", fast_gone)]
+    assert [sess_row(conn, s)["state"] for s in (slow, fast_ok, fast_gone)] == ["active", "active", "lost"]
+
+
+def test_declare_session_lost_directly(conn):
+    lane(conn)
+    s = session(conn, "a")
+    enqueue(conn, "a")
+    enqueue(conn, "a")
+    held = claim(conn, s, 2)
+    result = rows(conn, "select * from fleet.declare_session_lost(%s, 'pid-gone')", (s,))
+    assert [r["action"] for r in result] == ["session_lost", "released", "released"]
+    assert sess_row(conn, s)["end_reason"] == "pid-gone"
+    for t in held:
+        assert task(conn, t["id"])["state"] == "queued"
+        assert repaired_events(conn, t["id"])[0]["detail"]["reason"] == "pid-gone"
+    # a second declaration is a no-op (nothing active, nothing held)
+    assert rows(conn, "select * from fleet.declare_session_lost(%s, 'pid-gone')", (s,)) == []
+    assert len(events(conn, "session_lost")) == 1
+
+
+@pytest.mark.parametrize("late", ["heartbeat", "lease"])
+def test_a_heartbeat_that_commits_during_the_pass_keeps_its_session(db_url, conn, late):
+    lane(conn)
+    enqueue(conn, "a")
+    s = session(conn, "a")
+    (t,) = claim(conn, s)
+    if late == "heartbeat":
+        conn.execute("update fleet.sessions set heartbeat_at = now() - interval '1 hour'")
+    else:
+        expire(conn, t["id"])
+    result: dict[str, Any] = {}
+
+    def monitor() -> None:
+        with psycopg.connect(db_url, autocommit=True) as b:
+            result["rows"] = reconcile(b)
+
+    with psycopg.connect(db_url) as a:
+        # the shift's heartbeat is under way (not committed yet) when the monitor looks
+        assert rows(a, "select * from fleet.heartbeat(%s)", (s,)) == [{"task_id": t["id"], "status": "ok"}]
+        th = threading.Thread(target=monitor)
+        th.start()
+        th.join(1.5)
+        a.commit()
+    th.join(10)
+    assert not th.is_alive()
+    assert result["rows"] == []
+    assert sess_row(conn, s)["state"] == "active"
+    assert task(conn, t["id"])["state"] == "running"
+    assert events(conn, "session_lost") == [] and repaired_events(conn, t["id"]) == []
+    assert task(conn, t["id"])["lease_expires_at"] > one(conn, "select now() + interval '50 seconds'")
+    # a session that really stopped is still found on the next pass
+    conn.execute("update fleet.sessions set heartbeat_at = now() - interval '1 hour'")
+    assert [r["action"] for r in reconcile(conn)] == ["session_lost", "released"]
+
+
+# ------------------------------------------------------------------------------------------------
+# tasks held by a session that already ended
+
+
+def test_tasks_held_by_an_ended_session_are_released(conn):
+    lane(conn)
+    enqueue(conn, "a")
+    s = session(conn, "a")
+    (t,) = claim(conn, s)
+    # an ended session that still holds a task (e.g. closed by hand, or an older close_session)
+    conn.execute("update fleet.sessions set state = 'ended', ended_at = now(), end_reason = 'x' "
+                 "where id = %s", (s,))
+    assert task(conn, t["id"])["lease_expires_at"] is not None  # lease still valid
+
+    result = reconcile(conn)
+
+    assert actions(result) == [("released", t["id"])]
+    assert result[0]["detail"] == {"reason": "session-ended", "state": "queued"}
+    assert task(conn, t["id"])["state"] == "queued"
+    assert repaired_events(conn, t["id"])[0]["detail"]["reason"] == "session-ended"
+    assert rows(conn, "select outcome from fleet.runs where task_id = %s", (t["id"],)) == [{"outcome": "lost"}]
+    assert_fenced(conn, t["id"], t["lease_token"])
+
+
+def test_every_repair_writes_one_repaired_event_with_its_reason(conn):
+    lane(conn)
+    for _ in range(3):
+        enqueue(conn, "a")
+    s1, s2, s3 = (session(conn, "a", host=f"h{i}") for i in range(3))
+    (t1,), (t2,), (t3,) = claim(conn, s1), claim(conn, s2), claim(conn, s3)
+    expire(conn, t1["id"])
+    conn.execute("update fleet.sessions set heartbeat_at = now() - interval '1 hour' where id = %s", (s2,))
+    conn.execute("update fleet.sessions set state = 'ended', ended_at = now() where id = %s", (s3,))
+    reconcile(conn)
+    reasons = {r["task_id"]: r["detail"]["reason"] for r in events(conn, "repaired")}
+    assert reasons == {t1["id"]: "lease-expired", t2["id"]: "heartbeat-timeout", t3["id"]: "session-ended"}
+    outcomes = rows(conn, "select outcome, count(*) as n from fleet.runs group by outcome")
+    assert outcomes == [{"outcome": "lost", "n": 3}]
+
+
+# ------------------------------------------------------------------------------------------------
+# reports: overdue sessions, idle capacity
+
+
+def test_overdue_session_is_reported_once(conn):
+    lane(conn)
+    late = session(conn, "a")
+    within_grace = session(conn, "a", host="h2")
+    conn.execute("update fleet.sessions set deadline = now() - interval '2 minutes' where id = %s", (late,))
+    conn.execute("update fleet.sessions set deadline = now() - interval '30 seconds' where id = %s",
+                 (within_grace,))
+
+    result = reconcile(conn, grace=60)
+
+    assert [(r["action"], r["session_id"]) for r in result] == [("overdue", late)]
+    assert result[0]["detail"]["host"] == "h1"
+    evs = events(conn, "session_overdue")
+    assert [e["session_id"] for e in evs] == [late]
+    reconcile(conn, grace=60)
+    assert len(events(conn, "session_overdue")) == 1
+    # reported, not repaired: the session is still active
+    assert sess_row(conn, late)["state"] == "active"
+
+
+def _ready_since(conn: psycopg.Connection, lane_name: str, seconds: int) -> int:
+    return enqueue(conn, lane_name, run_at=one(conn, "select now() - make_interval(secs => %s)", (seconds,)))
+
+
+def test_idle_capacity_is_reported_and_journalled_once_per_idle_period(conn):
+    lane(conn, "idle", max_running=2)
+    lane(conn, "young", max_running=2)
+    lane(conn, "later", max_running=2)
+    _ready_since(conn, "idle", 400)
+    _ready_since(conn, "idle", 350)
+    _ready_since(conn, "young", 100)  # ready, but not for long
+    enqueue(conn, "later", run_at=one(conn, "select now() - interval '1 hour' + interval '2 hours'"))
+
+    result = reconcile(conn, idle=300)
+
+    assert [(r["action"], r["lane"]) for r in result] == [("idle_capacity", "idle")]
+    d = result[0]["detail"]
+    assert (d["ready"], d["running"], d["max_running"]) == (2, 0, 2)
+    assert 395 <= d["idle_seconds"] <= 460
+    assert len(events(conn, "idle_capacity", "idle")) == 1
+
+    again = reconcile(conn, idle=300)
+    assert [(r["action"], r["lane"]) for r in again] == [("idle_capacity", "idle")]
+    assert len(events(conn, "idle_capacity", "idle")) == 1  # still the same idle period
+
+    # an unlimited lane counts as having free slots
+    lane(conn, "unlimited")
+    _ready_since(conn, "unlimited", 400)
+    assert ("idle_capacity", "unlimited") in [(r["action"], r["lane"]) for r in reconcile(conn, idle=300)]
+
+
+@pytest.mark.parametrize("why", ["paused", "active-session", "slots-full", "no-slots"])
+def test_idle_capacity_not_reported(conn, why):
+    lane(conn, "other")
+    lane(conn, "x", max_running=0 if why == "no-slots" else 1, paused=(why == "paused"))
+    _ready_since(conn, "x", 400)
+    if why == "active-session":
+        session(conn, "x")
+    if why == "slots-full":
+        # the lane's one slot is taken by a healthy running task (held, here, by a session of
+        # another lane, so that no session of lane x is active)
+        s = session(conn, "other")
+        tid = _ready_since(conn, "x", 500)
+        conn.execute("update fleet.tasks set state = 'running', lease_token = gen_random_uuid(), "
+                     "lease_expires_at = now() + interval '1 minute', session_id = %s where id = %s",
+                     (s, tid))
+    result = reconcile(conn, idle=300)
+    assert [r for r in result if r["action"] == "idle_capacity"] == []
+    assert events(conn, "idle_capacity") == []
+    # control: the same lane, unpaused, with a free slot and no active session, is reported
+    conn.execute("update fleet.sessions set state = 'ended', ended_at = now()")
+    conn.execute("update fleet.tasks set state = 'queued', lease_token = null, lease_expires_at = null, "
+                 "session_id = null where state = 'running'")
+    conn.execute("update fleet.lanes set paused = false, max_running = 5 where name = 'x'")
+    assert [r["lane"] for r in reconcile(conn, idle=300) if r["action"] == "idle_capacity"] == ["x"]
+
+
+# ------------------------------------------------------------------------------------------------
+# two monitors
+
+
+def test_a_second_monitor_during_a_pass_skips_and_changes_nothing(db_url, conn):
+    lane(conn)
+    enqueue(conn, "a")
+    s = session(conn, "a")
+    (t,) = claim(conn, s)
+    expire(conn, t["id"])
+    conn.execute("update fleet.sessions set heartbeat_at = now() - interval '1 hour'")
+    before = one(conn, "select count(*) from fleet.events")
+
+    with psycopg.connect(db_url) as a, psycopg.connect(db_url, autocommit=True) as b:
+        first = rows(a, "select * from fleet.reconcile()")  # psycopg opened a transaction: held
+        assert [r["action"] for r in first] == ["session_lost", "released"]
+        b.execute("set lock_timeout = '5s'")  # fail, not hang, if b waited for a's row locks
+
+        second = rows(b, "select * from fleet.reconcile()")
+        assert len(second) == 1 and second[0]["action"] == "skipped"
+        assert second[0]["lane"] is None and second[0]["task_id"] is None
+        # b sees nothing changed (a has not committed) and b wrote nothing itself
+        assert one(b, "select count(*) from fleet.events") == before
+        assert one(b, "select state from fleet.tasks where id = %s", (t["id"],)) == "running"
+        assert one(b, "select state from fleet.sessions where id = %s", (s,)) == "active"
+        a.commit()
+
+        # the lock was transaction-scoped: b's next pass runs (and finds nothing to do)
+        assert rows(b, "select * from fleet.reconcile()") == []
+    assert len(repaired_events(conn, t["id"])) == 1
+    assert task(conn, t["id"])["evaporations"] == 1
+
+
+def test_concurrent_monitors_and_host_checks_repair_each_task_exactly_once(db_url, conn):
+    lane(conn, "a", max_attempts=10)
+    lane(conn, "b", max_attempts=10)
+    sessions = []
+    task_ids = []
+    for i in range(12):
+        ln = "ab"[i % 2]
+        for _ in range(4):
+            task_ids.append(enqueue(conn, ln))
+        s = session(conn, ln, host=f"h{i}")
+        claim(conn, s, 4)
+        sessions.append(s)
+    # every lease expired, half of the sessions stale too: several repair paths race for each task
+    conn.execute("update fleet.tasks set lease_expires_at = now() - interval '5 seconds'")
+    conn.execute("update fleet.sessions set heartbeat_at = now() - interval '1 hour' "
+                 "where id = any(%s)", (sessions[::2],))
+    errors: list[BaseException] = []
+    returned: list[str] = []  # list.append is atomic under the GIL; Counter's += is not
+    start = threading.Barrier(4)
+
+    def monitor() -> None:
+        try:
+            with psycopg.connect(db_url, autocommit=True) as c:
+                start.wait()
+                for _ in range(30):
+                    for r in rows(c, "select * from fleet.reconcile()"):
+                        returned.append(r["action"])
+        except BaseException as exc:
+            errors.append(exc)
+
+    def host_check(seed: int) -> None:
+        # what a host's pid check does, outside the monitors' advisory lock
+        try:
+            order = sessions[:]
+            random.Random(seed).shuffle(order)
+            with psycopg.connect(db_url, autocommit=True) as c:
+                start.wait()
+                for s in order:
+                    for r in rows(c, "select * from fleet.declare_session_lost(%s, 'pid-gone')", (s,)):
+                        returned.append(r["action"])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=monitor) for _ in range(2)]
+    threads += [threading.Thread(target=host_check, args=(seed,)) for seed in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors
+    assert not any(th.is_alive() for th in threads)
+
+    per_task = Counter(r["task_id"] for r in events(conn, "repaired"))
+    assert per_task == Counter({tid: 1 for tid in task_ids})
+    assert returned.count("released") == len(task_ids)
+    assert returned.count("session_lost") == len(sessions)
+    assert one(conn, "select count(*) from fleet.tasks where state <> 'queued' or evaporations <> 1") == 0
+    per_session = Counter(r["session_id"] for r in events(conn, "session_lost"))
+    assert all(n == 1 for n in per_session.values()) and len(per_session) == len(sessions)
+    assert one(conn, "select count(*) from fleet.runs where outcome is distinct from 'lost'") == 0
+
+
+def test_concurrent_monitors_over_expired_leases(db_url, conn):
+    lane(conn, max_attempts=10)
+    ids = [enqueue(conn, "a") for _ in range(60)]
+    for i in range(0, 60, 6):
+        claim(conn, session(conn, "a", host=f"h{i}"), 6)
+    conn.execute("update fleet.tasks set lease_expires_at = now() - interval '1 second'")
+    done = threading.Event()
+    errors: list[BaseException] = []
+    skipped = Counter()
+
+    def monitor() -> None:
+        try:
+            with psycopg.connect(db_url, autocommit=True) as c:
+                while not done.is_set():
+                    got = rows(c, "select * from fleet.reconcile()")
+                    skipped[threading.get_ident()] += sum(r["action"] == "skipped" for r in got)
+                    if one(c, "select count(*) from fleet.tasks where state = 'running'") == 0:
+                        done.set()
+        except BaseException as exc:
+            errors.append(exc)
+            done.set()
+
+    threads = [threading.Thread(target=monitor) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert not errors, errors
+    counts = Counter(r["task_id"] for r in events(conn, "repaired"))
+    assert counts == Counter({tid: 1 for tid in ids})
+    assert one(conn, "select count(*) from fleet.runs where outcome = 'lost'") == 60
+
+
+# ------------------------------------------------------------------------------------------------
+# cost follows the active work, not the history
+
+
+def plan_nodes(plan: Any) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    stack = [plan]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if "Node Type" in node:
+                out.append(node)
+            stack.extend(v for v in node.values() if isinstance(v, list | dict))
+    return out
+
+
+def explain(conn: psycopg.Connection, query: str, params: Any = None) -> list[dict[str, Any]]:
+    (doc,) = conn.execute("explain (format json) " + query, params).fetchone()
+    return plan_nodes(doc)
+
+
+def scans_of(nodes: list[dict[str, Any]], table: str) -> list[tuple[str, str | None]]:
+    """(node type, index name) of every scan of ``table``; a bitmap heap scan counts once per
+    bitmap index scan under it."""
+    out: list[tuple[str, str | None]] = []
+    for n in nodes:
+        if n.get("Relation Name") != table:
+            continue
+        if n["Node Type"] == "Bitmap Heap Scan":
+            below = [m for m in plan_nodes(n.get("Plans", [])) if m["Node Type"] == "Bitmap Index Scan"]
+            out += [(n["Node Type"], m.get("Index Name")) for m in below] or [(n["Node Type"], None)]
+        else:
+            out.append((n["Node Type"], n.get("Index Name")))
+    return out
+
+
+def assert_index_only(conn: psycopg.Connection, query: str, table: str, allowed: set[str],
+                      params: Any = None) -> None:
+    nodes = explain(conn, query, params)
+    scans = scans_of(nodes, table)
+    assert scans, f"no scan of {table} in the plan of {query}"
+    for node_type, index in scans:
+        assert node_type != "Seq Scan", f"{query}\nseq scan of fleet.{table}: {scans}"
+        assert index in allowed, f"{query}\nscans fleet.{table} through {index}, not one of {allowed}"
+
+
+@pytest.fixture
+def history(conn):
+    make_history(conn)
+    return conn
+
+
+def make_history(conn: psycopg.Connection) -> None:
+    """A database with a long history (50,000 done tasks, 5,000 ended sessions, 20,000 events)
+    and a little active work: 4 lanes, 6 running tasks, 4 ready ones, 2 active sessions."""
+    for name in ("a", "b", "c", "d"):
+        lane(conn, name, max_running=8)
+    conn.execute("""
+        insert into fleet.sessions (lane, host, pid, started_at, heartbeat_at, deadline, ended_at,
+                                    end_reason, state)
+        select (array['a','b','c','d'])[1 + g % 4], 'old-host', 1000 + g,
+               now() - make_interval(hours => g % 5000), now() - make_interval(hours => g % 5000),
+               now() - make_interval(hours => g % 5000), now() - make_interval(hours => g % 5000),
+               'deadline', case when g % 10 = 0 then 'lost' else 'ended' end
+          from generate_series(1, 5000) g""")
+    conn.execute("""
+        insert into fleet.tasks (lane, key, state, attempts, created_at, updated_at, finished_at)
+        select (array['a','b','c','d'])[1 + g % 4], 'old:' || g, 'done', 1,
+               now() - make_interval(mins => g), now() - make_interval(mins => g),
+               now() - make_interval(mins => g)
+          from generate_series(1, 50000) g""")
+    conn.execute("""
+        insert into fleet.events (ts, kind, lane, task_id, session_id, detail)
+        select now() - make_interval(mins => g), (array['completed','claimed','repaired','idle_capacity'])[1 + g % 4],
+               (array['a','b','c','d'])[1 + g % 4], g, null, '{}'
+          from generate_series(1, 20000) g""")
+    for name in ("a", "b"):
+        for _ in range(5):
+            enqueue(conn, name)
+        claim(conn, session(conn, name), 3)
+    conn.execute("analyze")
+
+
+# the key statements of fleet.reconcile(), copied from the function
+STALE_SESSIONS = """
+    select s.id
+      from fleet.sessions s
+      join fleet.lanes l on l.name = s.lane
+     where s.state = 'active'
+       and s.heartbeat_at < now() - make_interval(secs => coalesce(l.session_timeout_seconds, l.lease_seconds))
+     order by s.id"""
+HELD_BY_ENDED = """
+    select t.id, t.lane, t.session_id, s.state as session_state
+      from fleet.tasks t
+      join fleet.sessions s on s.id = t.session_id
+     where t.state = 'running' and s.state <> 'active'
+     order by t.id"""
+EXPIRED = """
+    select t.id, t.lane, t.session_id
+      from fleet.tasks t
+     where t.state = 'running' and t.lease_expires_at < now()
+     order by t.lease_expires_at
+       for no key update skip locked"""
+OVERDUE = """
+    select s.id, s.lane, s.deadline, s.host, s.pid
+      from fleet.sessions s
+     where s.state = 'active'
+       and s.deadline < now() - make_interval(secs => 60)
+       and not exists (select 1 from fleet.events e
+                        where e.session_id = s.id and e.kind = 'session_overdue')"""
+IDLE = """
+    select l.name, ready.n, ready.oldest, coalesce(running.n, 0) as running, l.max_running
+      from fleet.lanes l
+      cross join lateral (
+            select count(*) as n, min(t.run_at) as oldest
+              from fleet.tasks t
+             where t.lane = l.name and t.state = 'queued' and t.run_at <= now()) ready
+      left join lateral (
+            select count(*) as n from fleet.tasks t where t.lane = l.name and t.state = 'running') running
+        on true
+     where not l.paused
+       and ready.n > 0
+       and ready.oldest < now() - make_interval(secs => 300)
+       and (l.max_running is null or coalesce(running.n, 0) < l.max_running)
+       and not exists (select 1 from fleet.sessions s where s.lane = l.name and s.state = 'active')
+     order by l.name"""
+SESSION_TASKS = "select t.id from fleet.tasks t where t.session_id = %s and t.state = 'running' order by t.id"
+# the claim's ready query and its running count (any partial index of running tasks will do:
+# the planner picks one of them by statistics sampled by ANALYZE)
+CLAIM_READY = """
+    select t.id, t.priority, t.resume, t.run_at
+      from fleet.tasks t
+     where t.lane = 'a' and t.state = 'queued' and t.run_at <= now()
+     order by t.priority desc, t.resume desc, t.run_at, t.id
+     limit 4
+       for update skip locked"""
+CLAIM_RUNNING = "select count(*) from fleet.tasks where lane = 'a' and state = 'running'"
+
+RUNNING = {"tasks_running_lease", "tasks_running_session", "tasks_running_lane"}
+ACTIVE_SESSIONS = {"sessions_active_heartbeat", "sessions_active_lane", "sessions_active_host"}
+
+
+def test_cost_follows_the_active_work_not_the_history(history):
+    conn = history
+    # the monitor's statements read running tasks, ready tasks and active sessions by partial index
+    assert_index_only(conn, EXPIRED, "tasks", {"tasks_running_lease"})
+    assert_index_only(conn, HELD_BY_ENDED, "tasks", RUNNING)
+    assert_index_only(conn, SESSION_TASKS, "tasks", {"tasks_running_session"}, (uuid.uuid4(),))
+    assert_index_only(conn, IDLE, "tasks", {"tasks_ready"} | RUNNING)
+    ready_scans = {i for _, i in scans_of(explain(conn, IDLE), "tasks")}
+    assert "tasks_ready" in ready_scans, ready_scans
+    assert_index_only(conn, STALE_SESSIONS, "sessions", ACTIVE_SESSIONS)
+    assert_index_only(conn, OVERDUE, "sessions", ACTIVE_SESSIONS)
+    assert_index_only(conn, OVERDUE, "events", {"events_session", "events_kind_ts"})
+    assert_index_only(conn, IDLE, "sessions", ACTIVE_SESSIONS)
+    # and so do the claim's ready query and its running count
+    assert_index_only(conn, CLAIM_READY, "tasks", {"tasks_ready"})
+    assert_index_only(conn, CLAIM_RUNNING, "tasks", RUNNING)
+
+    # the pass itself repairs the active work and nothing of the history
+    expire(conn, *[r["id"] for r in rows(conn, "select id from fleet.tasks where lane = 'a' and state = 'running'")])
+    result = reconcile(conn)
+    assert sorted(r["action"] for r in result) == ["released"] * 3
+    assert one(conn, "select count(*) from fleet.tasks where state = 'done'") == 50000

