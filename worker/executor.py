@@ -12,7 +12,9 @@
 - Exit 0 = done, 75 (EX_TEMPFAIL) = hand off, other = failed attempt. A Claude-Code style
   stream-json ``{"type": "result"}`` record on stdout gives the agent's session id, ``is_error``,
   ``total_cost_usd`` and the tokens, summed over ``modelUsage`` — never the top-level ``usage``
-  block, which leaves out sub-agents.
+  block, which leaves out sub-agents. An agent stopped before its result record (the shift
+  ended, a lease was lost) still named its session in its earlier records (``init``, every
+  turn): that one is kept, so the next shift can resume the session.
 """
 
 from __future__ import annotations
@@ -37,8 +39,19 @@ _PLACEHOLDER = re.compile(r"\{(prompt_file|workspace|model|task_id|agent_session
 
 
 def render_argv(template: list[str], values: Mapping[str, str]) -> list[str]:
-    """Fill the placeholders of an argv template (other braces are left alone)."""
-    argv = [_PLACEHOLDER.sub(lambda m: values.get(m.group(1), ""), arg) for arg in template]
+    """Fill the placeholders of an argv template (other braces are left alone).
+
+    An argument that is exactly ``{agent_session}`` is dropped while there is no session yet,
+    together with an option right before it: ``--resume {agent_session}`` means "resume if
+    there is something to resume".
+    """
+    argv: list[str] = []
+    for arg in template:
+        if arg == "{agent_session}" and not values.get("agent_session"):
+            if argv and argv[-1].startswith("-") and len(argv) > 1:
+                argv.pop()
+            continue
+        argv.append(_PLACEHOLDER.sub(lambda m: values.get(m.group(1), ""), arg))
     if argv and argv[0] in ("python", "python3"):
         argv[0] = sys.executable
     return argv
@@ -87,8 +100,13 @@ def _int(value: Any) -> int:
 
 
 def parse_result(lines: Iterable[str]) -> AgentResult:
-    """The last ``{"type": "result"}`` record among ``lines``; lines that are not JSON are skipped."""
+    """The last ``{"type": "result"}`` record among ``lines``; lines that are not JSON are skipped.
+
+    Without a result record (or without a session id in it), ``session_id`` is the last one any
+    record named: an interrupted agent's session can still be resumed.
+    """
     record: dict[str, Any] | None = None
+    last_session: str | None = None
     for line in lines:
         line = line.strip()
         if not line.startswith("{"):
@@ -97,13 +115,18 @@ def parse_result(lines: Iterable[str]) -> AgentResult:
             obj = json.loads(line)
         except ValueError:
             continue
-        if isinstance(obj, dict) and obj.get("type") == "result":
+        if not isinstance(obj, dict):
+            continue
+        sid = obj.get("session_id")
+        if isinstance(sid, str) and sid:
+            last_session = sid
+        if obj.get("type") == "result":
             record = obj
     if record is None:
-        return AgentResult()
+        return AgentResult(session_id=last_session)
     res = AgentResult(found=True)
     sid = record.get("session_id")
-    res.session_id = sid if isinstance(sid, str) and sid else None
+    res.session_id = sid if isinstance(sid, str) and sid else last_session
     res.is_error = bool(record.get("is_error"))
     res.subtype = record.get("subtype") if isinstance(record.get("subtype"), str) else None
     cost = record.get("total_cost_usd")
