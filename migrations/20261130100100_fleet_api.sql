@@ -238,7 +238,7 @@ begin
     return query
     with ready as (
         -- the next ready tasks of the lane, skipping rows another transaction holds
-        select t.id
+        select t.id, t.priority, t.resume, t.run_at
           from fleet.tasks t
          where t.lane = s.lane and t.state = 'queued' and t.run_at <= now()
          order by t.priority desc, t.resume desc, t.run_at, t.id
@@ -265,7 +265,9 @@ begin
         insert into fleet.events (kind, lane, task_id, session_id, detail)
         select 'claimed', c.lane, c.id, s.id, jsonb_build_object('attempt', c.attempts) from claimed c
     )
-    select * from claimed c order by c.priority desc, c.run_at, c.id;
+    -- in the order they were picked (the claim clears resume, so order by ready's copy of it)
+    select c.* from claimed c join ready r on r.id = c.id
+     order by r.priority desc, r.resume desc, r.run_at, r.id;
 end
 $$;
 
@@ -300,13 +302,15 @@ begin
     )
     select r.id, 'ok'::text from renewed r
     union all
-    select distinct r.task_id,
-           case r.outcome when 'cancelled' then 'cancelled' else 'lost' end
-      from fleet.runs r
-     where r.session_id = s.id
-       and r.outcome in ('lost', 'cancelled')
-       and r.ended_at >= v_since
-       and r.task_id not in (select id from renewed);
+    (select distinct on (r.task_id) r.task_id,
+            case r.outcome when 'cancelled' then 'cancelled' else 'lost' end
+       from fleet.runs r
+      where r.session_id = s.id
+        and r.outcome in ('lost', 'cancelled')
+        and r.ended_at >= v_since
+        and r.task_id not in (select id from renewed)
+      -- one row per task: the outcome of its latest such run in this session
+      order by r.task_id, r.id desc);
 end
 $$;
 
@@ -479,32 +483,46 @@ language plpgsql
 as $$
 declare
     r fleet.runs;
+    v_task bigint;
 begin
     if p_report is null or jsonb_typeof(p_report) <> 'object' then
         perform fleet._raise('LF005', 'a run report must be a JSON object');
     end if;
-    update fleet.runs
-       set exit_code = coalesce((p_report ->> 'exit_code')::int, exit_code),
-           tier = coalesce(p_report ->> 'tier', tier),
-           model = coalesce(p_report ->> 'model', model),
-           agent_session = coalesce(p_report ->> 'agent_session', agent_session),
-           input_tokens = coalesce((p_report ->> 'input_tokens')::bigint, input_tokens),
-           cache_creation_tokens = coalesce((p_report ->> 'cache_creation_tokens')::bigint, cache_creation_tokens),
-           cache_read_tokens = coalesce((p_report ->> 'cache_read_tokens')::bigint, cache_read_tokens),
-           output_tokens = coalesce((p_report ->> 'output_tokens')::bigint, output_tokens),
-           cost_usd = coalesce((p_report ->> 'cost_usd')::numeric, cost_usd),
-           log_path = coalesce(p_report ->> 'log_path', log_path),
-           error_tail = coalesce(left(p_report ->> 'error_tail', 4000), error_tail)
-     where lease_token = p_token
-    returning * into r;
+    select task_id into v_task from fleet.runs where lease_token = p_token;
     if not found then
         perform fleet._raise('LF003', 'no run holds that lease token');
     end if;
+    -- Lock order: the task, then its run, as every transition does (_fenced, cancel, _release lock
+    -- the task and then end its run). Taking the run row first deadlocks against them.
+    perform 1 from fleet.tasks where id = v_task for no key update;
+    begin
+        update fleet.runs
+           set exit_code = coalesce((p_report ->> 'exit_code')::int, exit_code),
+               tier = coalesce(p_report ->> 'tier', tier),
+               model = coalesce(p_report ->> 'model', model),
+               agent_session = coalesce(p_report ->> 'agent_session', agent_session),
+               input_tokens = coalesce((p_report ->> 'input_tokens')::bigint, input_tokens),
+               cache_creation_tokens = coalesce((p_report ->> 'cache_creation_tokens')::bigint, cache_creation_tokens),
+               cache_read_tokens = coalesce((p_report ->> 'cache_read_tokens')::bigint, cache_read_tokens),
+               output_tokens = coalesce((p_report ->> 'output_tokens')::bigint, output_tokens),
+               cost_usd = coalesce((p_report ->> 'cost_usd')::numeric, cost_usd),
+               log_path = coalesce(p_report ->> 'log_path', log_path),
+               error_tail = coalesce(left(p_report ->> 'error_tail', 4000), error_tail)
+         where lease_token = p_token
+        returning * into r;
+    exception when data_exception or check_violation then
+        -- a count that is negative, fractional, not a number or too large
+        perform fleet._raise('LF005', format('a run report has a malformed value: %s', sqlerrm),
+            'token counts are non-negative integers, cost_usd a non-negative number, exit_code an integer');
+    end;
     -- the agent's own session id, for the next attempt to resume, unless a later run took over
+    -- or the task was routed on since (the next lane's stage starts without an agent session;
+    -- the run row keeps it)
     if p_report ? 'agent_session' then
         update fleet.tasks t
            set agent_session = p_report ->> 'agent_session'
          where t.id = r.task_id
+           and t.lane = r.lane
            and not exists (select 1 from fleet.runs later where later.task_id = r.task_id and later.id > r.id);
     end if;
 end
