@@ -238,9 +238,13 @@ begin
     return query
     with ready as (
         -- the next ready tasks of the lane, skipping rows another transaction holds
+        -- (not a task this session handed off itself: a hand-off is for the next shift)
         select t.id, t.priority, t.resume, t.run_at
           from fleet.tasks t
          where t.lane = s.lane and t.state = 'queued' and t.run_at <= now()
+           and not (t.resume and exists (select 1 from fleet.runs r
+                                          where r.task_id = t.id and r.session_id = s.id
+                                            and r.outcome = 'handed_off'))
          order by t.priority desc, t.resume desc, t.run_at, t.id
          limit v_free
            for update skip locked
@@ -274,7 +278,13 @@ $$;
 ------------------------------------------------------------------------------------------------
 -- heartbeat
 
-create or replace function fleet.heartbeat(p_session uuid)
+-- Renew the session and the leases of its tasks; one row per task: ok | lost | cancelled.
+-- p_tasks: the tasks the shift is running. Given, only those are renewed, and a task the session
+-- holds but the shift does not name (a claim whose answer was lost on the way, a final call the
+-- shift gave up on) is released at once instead of being renewed forever. NULL: every task the
+-- session holds is renewed, and runs ended by someone else since shortly before the last
+-- heartbeat are reported.
+create or replace function fleet.heartbeat(p_session uuid, p_tasks bigint[] default null)
 returns table (task_id bigint, status text)
 language plpgsql
 as $$
@@ -283,13 +293,21 @@ declare
     s fleet.sessions;
     v_lease int;
     v_since timestamptz;
+    v_task bigint;
 begin
     s := fleet._active_session(p_session);
     select lease_seconds into v_lease from fleet.lanes where name = s.lane;
-    -- runs ended by someone else (a repair, a cancel) since shortly before the last heartbeat
-    -- are reported again, so the worker learns of it even if one heartbeat's answer was lost
     v_since := least(s.heartbeat_at, now()) - make_interval(secs => v_lease);
     update fleet.sessions set heartbeat_at = now() where id = s.id;
+
+    if p_tasks is not null then
+        for v_task in select t.id from fleet.tasks t
+                       where t.session_id = s.id and t.state = 'running' and t.id <> all (p_tasks)
+                       order by t.id
+        loop
+            perform fleet._release(v_task, 'not-run-by-shift');
+        end loop;
+    end if;
 
     return query
     with renewed as (
@@ -298,6 +316,7 @@ begin
                updated_at = now()
           from fleet.lanes l
          where t.session_id = s.id and t.state = 'running' and l.name = t.lane
+           and (p_tasks is null or t.id = any (p_tasks))
         returning t.id
     )
     select r.id, 'ok'::text from renewed r
@@ -306,10 +325,11 @@ begin
             case r.outcome when 'cancelled' then 'cancelled' else 'lost' end
        from fleet.runs r
       where r.session_id = s.id
-        and r.outcome in ('lost', 'cancelled')
-        and r.ended_at >= v_since
         and r.task_id not in (select id from renewed)
-      -- one row per task: the outcome of its latest such run in this session
+        and case when p_tasks is null
+                 then r.outcome in ('lost', 'cancelled') and r.ended_at >= v_since
+                 else r.task_id = any (p_tasks) end
+      -- one row per task: the outcome of its latest run in this session
       order by r.task_id, r.id desc);
 end
 $$;

@@ -139,12 +139,15 @@ begin
     -- 1. sessions that stopped heartbeating: lost, and their tasks released at once. The rows are
     --    locked here, so a heartbeat that commits meanwhile is seen (the condition is rechecked on
     --    the newest row) and a session busy in a call right now is left for the next pass.
+    --    Ages count from the server's start at the earliest: while the database was down, no
+    --    shift could heartbeat, and a restart must not make every live shift look dead.
     for r in
         select s.id
           from fleet.sessions s
           join fleet.lanes l on l.name = s.lane
          where s.state = 'active'
            and s.heartbeat_at < now() - make_interval(secs => coalesce(l.session_timeout_seconds, l.lease_seconds))
+           and pg_postmaster_start_time() < now() - make_interval(secs => coalesce(l.session_timeout_seconds, l.lease_seconds))
          order by s.id
            for no key update of s skip locked
     loop
@@ -167,13 +170,16 @@ begin
         end if;
     end loop;
 
-    -- 3. running tasks whose lease expired (a worker alive enough to heartbeat renews them)
+    -- 3. running tasks whose lease expired (a worker alive enough to heartbeat renews them);
+    --    as above, a lease gets its full length after a server restart
     for r in
         select t.id, t.lane, t.session_id
           from fleet.tasks t
+          join fleet.lanes l on l.name = t.lane
          where t.state = 'running' and t.lease_expires_at < now()
+           and pg_postmaster_start_time() < now() - make_interval(secs => l.lease_seconds)
          order by t.lease_expires_at
-           for no key update skip locked
+           for no key update of t skip locked
     loop
         v_state := fleet._release(r.id, 'lease-expired');
         if v_state is not null then

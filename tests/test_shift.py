@@ -297,10 +297,6 @@ def test_a_task_that_needs_two_shifts_resumes_from_its_checkpoint_and_agent_sess
     assert "exit 75" in (ws / ".fleet" / "handoff.md").read_text()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fleet.claim lets a shift re-claim at once the task it has just handed off (exit 75): the "
-    "'next shift' is the same shift, and an agent that hands off spins through max_handoffs in "
-    "seconds. Needs a claim filter in migrations/ (see the report); remove this mark then."))
 def test_a_shift_does_not_reclaim_a_task_it_handed_off_itself(fleet_of) -> None:
     f = fleet_of({"work": lane_defaults(max_handoffs=3)})
     long = f.enqueue("work", "long", {"steps": 4, "steps_per_shift": 2, "sleep": 0.05})

@@ -938,11 +938,11 @@ def test_hand_off_requeues_without_spending_an_attempt(conn, lane, session):
     assert last_event(conn, task_id)["detail"] == {"attempt": 1, "handoffs": 1, "state": "queued"}
 
 
-def test_hand_off_does_not_count_against_the_attempt_cap(conn, session):
+def test_hand_off_does_not_count_against_the_attempt_cap(conn, lane):
     conn.execute("update fleet.lanes set max_attempts = 1, max_handoffs = 5")
     task_id = enqueue(conn, "a", "k")
     for _ in range(5):
-        t = claim_one(conn, session)
+        t = claim_one(conn, open_session(conn, lane))  # a hand-off is for the next shift
         assert hand_off(conn, task_id, t["lease_token"], {}) == "queued"
     after = task(conn, task_id)
     assert after["state"] == "queued" and after["handoffs"] == 5 and after["attempts"] == 5
@@ -955,21 +955,46 @@ def test_hand_off_is_claimed_before_older_tasks_of_the_same_priority(conn, lane,
     higher = enqueue(conn, lane, "higher", priority=1, run_at="2030-01-01T00:00:00Z")
     conn.execute("update fleet.tasks set run_at = now() - interval '1 s' where id = %s", (higher,))
     hand_off(conn, handed, t["lease_token"], {})
-    order = [claim_one(conn, session)["id"] for _ in range(5)]
+    next_shift = open_session(conn, lane)
+    order = [claim_one(conn, next_shift)["id"] for _ in range(5)]
     assert order == [higher, handed, *older], "higher priority first, then the resumed task"
     assert task(conn, handed)["resume"] is False
+
+
+def test_a_session_does_not_reclaim_a_task_it_handed_off(conn, lane, session):
+    handed = enqueue(conn, lane, "handed")
+    t = claim_one(conn, session)
+    hand_off(conn, handed, t["lease_token"], {})
+    other = enqueue(conn, lane, "other")
+    assert [r["id"] for r in claim(conn, session, 5)] == [other]
+    assert [r["id"] for r in claim(conn, open_session(conn, lane), 5)] == [handed]
+
+
+def test_heartbeat_with_task_list_releases_what_the_shift_does_not_name(conn, lane, session):
+    a, b, c = (enqueue(conn, lane, k) for k in ("a", "b", "c"))
+    claim(conn, session, 3)
+    one(conn, "select fleet.cancel(%s)", (c,))
+    rows = dict(conn.execute("select task_id, status from fleet.heartbeat(%s, %s::bigint[])",
+                             (session, [a, c])).fetchall())
+    assert rows == {a: "ok", c: "cancelled"}
+    released = task(conn, b)
+    assert released["state"] == "queued" and released["evaporations"] == 1
+    kinds = [r[0] for r in conn.execute(
+        "select detail->>'reason' from fleet.events where task_id = %s and kind = 'repaired'", (b,))]
+    assert kinds == ["not-run-by-shift"]
+    assert task(conn, a)["state"] == "running"
 
 
 def test_hand_off_agent_session_is_kept_when_the_snapshot_has_none(conn, lane, session):
     task_id = enqueue(conn, lane, "k")
     t = claim_one(conn, session)
     hand_off(conn, task_id, t["lease_token"], {"agent_session": "s1"})
-    t = claim_one(conn, session)
+    t = claim_one(conn, session := open_session(conn, lane))
     hand_off(conn, task_id, t["lease_token"], {"notes": "no session this time"})
     after = task(conn, task_id)
     assert after["agent_session"] == "s1"
     assert after["handoff"] == {"notes": "no session this time"}
-    t = claim_one(conn, session)
+    t = claim_one(conn, session := open_session(conn, lane))
     hand_off(conn, task_id, t["lease_token"], None)
     assert task(conn, task_id)["handoff"] == {}
 
@@ -979,7 +1004,7 @@ def test_hand_off_beyond_max_handoffs_is_dead(conn, session):
     task_id = enqueue(conn, "a", "k")
     states = []
     for _ in range(3):
-        t = claim_one(conn, session)
+        t = claim_one(conn, open_session(conn, "a"))  # a hand-off is for the next shift
         states.append(hand_off(conn, task_id, t["lease_token"], {"n": len(states)}))
     assert states == ["queued", "queued", "dead"]
     after = task(conn, task_id)
@@ -1025,7 +1050,7 @@ def test_route_to_another_lane_starts_fresh_and_keeps_history(conn, lane, sessio
     conn.execute("update fleet.tasks set run_at = now() - interval '1 s'")
     t = claim_one(conn, session)
     hand_off(conn, task_id, t["lease_token"], {"agent_session": "ag-1"})
-    t = claim_one(conn, session)
+    t = claim_one(conn, session := open_session(conn, lane))
     checkpoint(conn, task_id, t["lease_token"], {"stage": "triaged"})
     assert route(conn, task_id, t["lease_token"], "review", {"why": "ready"}) == "queued"
 
@@ -1528,7 +1553,7 @@ def test_retry_a_dead_task(conn, lane, session):
     conn.execute("update fleet.tasks set run_at = now() - interval '1 s'")
     t = claim_one(conn, session)
     hand_off(conn, task_id, t["lease_token"], {})
-    t = claim_one(conn, session)
+    t = claim_one(conn, session := open_session(conn, lane))
     fail(conn, task_id, t["lease_token"], "fatal thing", retryable=False)
     assert retry(conn, task_id) == "queued"
     after = task(conn, task_id)
@@ -1624,7 +1649,7 @@ def test_every_transition_writes_its_event(conn, lane, session):
     t = claim_one(conn, session)
     checkpoint(conn, task_id, t["lease_token"], {})
     hand_off(conn, task_id, t["lease_token"], {})
-    t = claim_one(conn, session)
+    t = claim_one(conn, session := open_session(conn, lane))
     fail(conn, task_id, t["lease_token"])
     conn.execute("update fleet.tasks set run_at = now() - interval '1 s'")
     t = claim_one(conn, session)

@@ -302,7 +302,9 @@ def shift(
     r = rt(ctx)
     r.cfg.lane(lane)  # an unknown lane is an error before anything starts
     configure_logging(json_logs)
-    s = Shift(r.store(), r.cfg, lane, max_seconds=max_seconds, max_tasks=max_tasks, slots=slots,
+    # a call may not outlast a third of the lease: the shift must keep heartbeating its agents
+    store = r.store(call_budget=max(1.0, r.cfg.lane(lane).lease_seconds / 3))
+    s = Shift(store, r.cfg, lane, max_seconds=max_seconds, max_tasks=max_tasks, slots=slots,
               once=once, poll_seconds=poll)
     s.install_signal_handlers()
     summary = s.run()

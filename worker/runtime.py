@@ -37,11 +37,12 @@ class Runtime:
 
         return embedded_url(self.cfg.path(self.cfg.fleet.home))
 
-    def store(self, *, check_schema: bool = True) -> PostgresStore:
+    def store(self, *, check_schema: bool = True, call_budget: float | None = None) -> PostgresStore:
+        """The store (made once). ``call_budget``: see :class:`PostgresStore`."""
         if self._store is None:
             if check_schema:
                 self.check_schema()
-            self._store = PostgresStore.from_config(self.cfg, self.url)
+            self._store = PostgresStore.from_config(self.cfg, self.url, call_budget=call_budget)
         return self._store
 
     def check_schema(self) -> None:

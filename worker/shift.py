@@ -20,6 +20,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -30,7 +31,15 @@ import structlog
 
 from worker.config import FleetConfig, LaneConfig
 from worker.errors import DatabaseUnavailable, FleetError, LeaseLost, SessionLost
-from worker.executor import EX_TEMPFAIL, AgentProcess, agent_env, parse_result, read_lines, render_argv, tail
+from worker.executor import (
+    EX_TEMPFAIL,
+    AgentProcess,
+    agent_env,
+    parse_result,
+    read_lines,
+    render_argv,
+    tail,
+)
 from worker.models import LaneHandoff, Task
 from worker.proc import process_start_time
 from worker.store import Store
@@ -101,6 +110,9 @@ class Shift:
         self.heartbeat_every = max(0.5, self.lane.lease_seconds / 3)
         self.workspaces = cfg.path(cfg.fleet.workspaces)
         self.jobs: dict[int, Job] = {}
+        # final calls (complete, fail, ...) that hit a connection failure: retried each loop until
+        # answered; a retry is safe because the lease token fences it. Each keeps its slot busy.
+        self.pending: dict[int, tuple[Callable[[], str], str]] = {}
         self.summary = ShiftSummary()
         self._stop_reason: str | None = None
         self._wake = threading.Event()
@@ -135,16 +147,20 @@ class Shift:
         self.log.info("shift started", slots=self.slots, seconds=self.max_seconds, host=self.host, pid=pid)
         self.deadline = time.monotonic() + self.max_seconds
         self.deadline_at = datetime.now(UTC) + timedelta(seconds=self.max_seconds)
-        self._lane_handoff = self.store.last_lane_handoff(self.lane_name)
         next_heartbeat = time.monotonic() + self.heartbeat_every
         try:
+            try:
+                self._lane_handoff = self.store.last_lane_handoff(self.lane_name)
+            except DatabaseUnavailable as exc:
+                self.log.warning("could not read the lane's last hand-off", error=str(exc))
             while True:
                 self._reap()
+                self._retry_pending()
                 now = time.monotonic()
                 if self._stop_reason is None:
                     if now >= self.deadline:
                         self._stop_reason = "deadline"
-                    elif self._budget_left() == 0 and not self.jobs:
+                    elif self._budget_left() == 0 and not self.jobs and not self.pending:
                         self._stop_reason = "task-budget"
                 if self._stop_reason is not None:
                     break
@@ -155,7 +171,7 @@ class Shift:
                         self._stop_reason = "session-lost"
                         break
                 claimed = self._claim()
-                if self.once and not claimed and not self.jobs:
+                if self.once and not claimed and not self.jobs and not self.pending:
                     self._stop_reason = "idle"
                     break
                 if not claimed:
@@ -169,7 +185,7 @@ class Shift:
         return None if self.max_tasks is None else max(0, self.max_tasks - self.summary.claimed)
 
     def _claim(self) -> list[Task]:
-        free = self.slots - len(self.jobs)
+        free = self.slots - len(self.jobs) - len(self.pending)
         budget = self._budget_left()
         if budget is not None:
             free = min(free, budget)
@@ -220,8 +236,9 @@ class Shift:
                                  log_path=log_path)
         except OSError as exc:
             log.error("could not start the agent", error=str(exc))
-            self._call(task.id, lambda: self.store.fail(task.id, task.lease_token,  # type: ignore[arg-type]
-                                                        f"could not start the agent: {exc}"), "failed")
+            error, token = f"could not start the agent: {exc}", task.lease_token
+            assert token is not None
+            self._call(task.id, lambda: self.store.fail(task.id, token, error), "failed")
             return
         job = Job(task=task, ws=ws, agent=agent, log_path=log_path, started=time.monotonic())
         cp = ws.read_checkpoint()
@@ -237,20 +254,34 @@ class Shift:
         except FleetError as exc:
             self.log.warning("could not record the run", task=job.task.id, error=str(exc))
 
-    def _call(self, task_id: int, fn: Any, outcome: str) -> str | None:
-        """Make one fenced call; a lost lease is logged, not raised."""
+    def _count(self, outcome: str) -> None:
+        self.summary.outcomes[outcome] = self.summary.outcomes.get(outcome, 0) + 1
+
+    def _call(self, task_id: int, fn: Callable[[], str], outcome: str, *, retry: bool = False) -> str | None:
+        """Make one fenced final call. A lost lease is logged, not raised; a connection failure
+        leaves the call pending, to be made again (the lease stays ours meanwhile: the
+        heartbeat names the task)."""
         try:
             state = fn()
         except LeaseLost as exc:
-            self.log.warning("lease lost; result dropped", task=task_id, error=str(exc))
-            self.summary.outcomes["lease_lost"] = self.summary.outcomes.get("lease_lost", 0) + 1
+            if retry:  # the first try may have committed before its connection broke
+                self.log.info("pending call answered: lease already gone", task=task_id, error=str(exc))
+            else:
+                self.log.warning("lease lost; result dropped", task=task_id, error=str(exc))
+            self._count("lease_lost")
             return None
         except DatabaseUnavailable as exc:
-            self.log.error("database unavailable; the monitor will repair the task", task=task_id,
-                           error=str(exc))
+            self.log.warning("final call failed; will retry", task=task_id, outcome=outcome, error=str(exc))
+            self.pending[task_id] = (fn, outcome)
             return None
-        self.summary.outcomes[outcome] = self.summary.outcomes.get(outcome, 0) + 1
+        self._count(outcome)
         return str(state)
+
+    def _retry_pending(self) -> None:
+        for task_id, (fn, outcome) in list(self.pending.items()):
+            del self.pending[task_id]
+            if self._call(task_id, fn, outcome, retry=True) is not None:
+                self.log.info("pending call made", task=task_id, outcome=outcome)
 
     def _store_checkpoint(self, job: Job) -> None:
         cp = job.ws.read_checkpoint()
@@ -303,10 +334,12 @@ class Shift:
         self._record(job, report)  # tokens count even when the lease is gone
         if job.killed is not None:
             log.info("agent ended after its lease was gone", reason=job.killed)
-            self.summary.outcomes[job.killed] = self.summary.outcomes.get(job.killed, 0) + 1
+            self._count(job.killed)
             return
         self._store_checkpoint(job)
-        if job.killed is not None:
+        if job.killed is not None:  # the checkpoint found the lease gone
+            log.info("agent ended after its lease was gone", reason=job.killed)
+            self._count(job.killed)
             return
         tid, token = task.id, job.token
         if code == EX_TEMPFAIL or (job.stopping and code != 0):
@@ -350,7 +383,7 @@ class Shift:
 
     def _heartbeat(self) -> None:
         try:
-            statuses = self.store.heartbeat(self.session)
+            statuses = self.store.heartbeat(self.session, [*self.jobs, *self.pending])
         except SessionLost as exc:
             self.log.error("session lost: stopping every agent", error=str(exc))
             self._lost = True
@@ -372,14 +405,15 @@ class Shift:
     def _shutdown(self, reason: str) -> None:
         self.summary.reason = reason
         self.log.info("shift ending", reason=reason, running=len(self.jobs))
-        if self.jobs and not self._lost:
+        if (self.jobs or self.pending) and not self._lost:
             for job in self.jobs.values():
                 job.stopping = True
                 job.agent.terminate()
             grace_end = time.monotonic() + self.lane.grace_seconds
             next_heartbeat = time.monotonic() + self.heartbeat_every
-            while self.jobs and time.monotonic() < grace_end:
+            while (self.jobs or self.pending) and time.monotonic() < grace_end:
                 self._reap()
+                self._retry_pending()
                 if time.monotonic() >= next_heartbeat:  # keep the leases through the grace period
                     self._heartbeat()
                     next_heartbeat = time.monotonic() + self.heartbeat_every
@@ -390,9 +424,12 @@ class Shift:
         for job in list(self.jobs.values()):
             try:
                 job.agent.wait(10)
-            except Exception:  # noqa: BLE001 - a supervisor that will not die must not block the exit
+            except Exception:
                 self.log.error("supervisor did not exit", task=job.task.id, pid=job.agent.pid)
         self._reap()
+        self._retry_pending()
+        if self.pending:  # close_session releases them (each counts as an evaporation)
+            self.log.error("final calls never answered", tasks=sorted(self.pending))
         self.summary.exit_code = EXIT_SESSION_LOST if self._lost else EXIT_OK
         try:
             notes = {"reason": reason, "host": self.host, "pid": os.getpid(), "slots": self.slots,

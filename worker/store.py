@@ -1,19 +1,22 @@
 """The store: a small typed interface over the SQL API (DESIGN §5).
 
 Every method is a thin call site of one ``fleet.*`` function; no transition is decided here.
-:class:`PostgresStore` talks psycopg 3 through a connection pool; the Supabase store (PostgREST
-RPC) implements the same :class:`Store` protocol.
+:class:`PostgresStore` talks psycopg 3 through a connection pool; a store over Supabase's REST
+API (PostgREST RPC) is to implement the same :class:`Store` protocol.
 
 Retries: a transient connection failure is retried with tenacity, and only that. Calls that are
-safe to repeat (heartbeat, checkpoint, record_run, enqueue by key, reads) are retried on any
-connection error; calls that are not (claim, complete, fail, …) are retried only when the
-connection could not be had at all, because a call that failed mid-flight may have committed.
+safe to repeat (heartbeat, checkpoint, record_run, enqueue by key, open_session — a duplicate
+empty session only times out —, the monitor's repairs, which repair only what is still broken,
+and reads) are retried on any connection error; calls that are not (claim, complete, fail, …)
+are retried only when the connection could not be had at all, because a call that failed
+mid-flight may have committed (the shift then makes it again itself: the lease token fences it).
 A constraint violation or an ``LF`` error is never retried.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -24,12 +27,23 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool, PoolTimeout
-from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import (
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from worker.config import FleetConfig, LaneConfig
-from worker.errors import SQLSTATE_ERRORS, DatabaseUnavailable, FleetError, InvalidInput, UnknownTask
+from worker.errors import (
+    SQLSTATE_ERRORS,
+    DatabaseUnavailable,
+    FleetError,
+    InvalidInput,
+    UnknownTask,
+)
 from worker.models import Event, LaneHandoff, RepairAction, Run, Task
-
 
 
 @functools.cache
@@ -81,7 +95,7 @@ class Store(Protocol):
     def open_session(self, lane: str, host: str, pid: int, pid_started_at: datetime | None,
                      seconds: int) -> UUID: ...
     def claim(self, session: UUID, limit: int = 1) -> list[Task]: ...
-    def heartbeat(self, session: UUID) -> dict[int, str]: ...
+    def heartbeat(self, session: UUID, tasks: list[int] | None = None) -> dict[int, str]: ...
     def checkpoint(self, task: int, token: UUID, data: Any) -> int: ...
     def complete(self, task: int, token: UUID, result: Any = None) -> str: ...
     def fail(self, task: int, token: UUID, error: str, retryable: bool = True) -> str: ...
@@ -124,9 +138,13 @@ class PostgresStore:
     """The store over a direct connection (psycopg 3 + pool)."""
 
     def __init__(self, url: str, *, pooler: bool = False, min_size: int = 1, max_size: int = 8,
-                 attempts: int = 5, timeout: float = 10.0) -> None:
+                 attempts: int = 5, timeout: float = 10.0, call_budget: float | None = None) -> None:
+        """``call_budget``: the most seconds one call may spend on retries and on waiting for a
+        connection (None: ``attempts`` tries of up to ``timeout`` each). A shift sets it to a
+        fraction of its lease, so a database outage never stops it from noticing its agents."""
         self.url = url
         self._attempts = attempts
+        self._budget = call_budget
         kwargs: dict[str, Any] = {"autocommit": True, "row_factory": dict_row}
         if pooler:
             kwargs["prepare_threshold"] = None  # no server-side prepared statements through a pooler
@@ -157,9 +175,12 @@ class PostgresStore:
 
     def _run(self, query: LiteralString, params: Sequence[Any] | dict[str, Any] = (), *,
              idempotent: bool = True) -> list[dict[str, Any]]:
+        deadline = None if self._budget is None else time.monotonic() + self._budget
+
         def once() -> list[dict[str, Any]]:
+            wait = None if deadline is None else max(0.1, deadline - time.monotonic())
             try:
-                conn = self.pool.getconn()
+                conn = self.pool.getconn(timeout=wait)
             except (PoolTimeout, psycopg.OperationalError) as exc:
                 raise _Transient(str(exc)) from exc  # nothing was sent: always safe to retry
             try:
@@ -180,7 +201,8 @@ class PostgresStore:
 
         try:
             for attempt in Retrying(retry=retry_if_exception_type(_Transient),
-                                    stop=stop_after_attempt(self._attempts),
+                                    stop=stop_after_attempt(self._attempts) | stop_after_delay(
+                                        self._budget if self._budget is not None else float("inf")),
                                     wait=wait_exponential(multiplier=0.2, max=5), reraise=True):
                 with attempt:
                     return once()
@@ -212,14 +234,16 @@ class PostgresStore:
     def open_session(self, lane: str, host: str, pid: int, pid_started_at: datetime | None,
                      seconds: int) -> UUID:
         return UUID(str(self._one("select fleet.open_session(%s, %s, %s, %s, %s)",
-                                  (lane, host, pid, pid_started_at, seconds), idempotent=False)))
+                                  (lane, host, pid, pid_started_at, seconds))))
 
     def claim(self, session: UUID, limit: int = 1) -> list[Task]:
         rows = self._run("select * from fleet.claim(%s, %s)", (session, limit), idempotent=False)
         return [Task.model_validate(r) for r in rows]
 
-    def heartbeat(self, session: UUID) -> dict[int, str]:
-        rows = self._run("select task_id, status from fleet.heartbeat(%s)", (session,))
+    def heartbeat(self, session: UUID, tasks: list[int] | None = None) -> dict[int, str]:
+        """Renew the session's leases: those of ``tasks`` (the others it holds are released), or
+        all of them when ``tasks`` is None. Task id → ok | lost | cancelled."""
+        rows = self._run("select task_id, status from fleet.heartbeat(%s, %s::bigint[])", (session, tasks))
         return {int(r["task_id"]): str(r["status"]) for r in rows}
 
     def checkpoint(self, task: int, token: UUID, data: Any) -> int:
@@ -258,13 +282,11 @@ class PostgresStore:
         return str(self._one("select fleet.sync_lane(%s, %s)", (name, _json(settings))))
 
     def reconcile(self, idle_seconds: int = 300, overdue_grace_seconds: int = 60) -> list[RepairAction]:
-        rows = self._run("select * from fleet.reconcile(%s, %s)", (idle_seconds, overdue_grace_seconds),
-                         idempotent=False)
+        rows = self._run("select * from fleet.reconcile(%s, %s)", (idle_seconds, overdue_grace_seconds))
         return [RepairAction.model_validate(r) for r in rows]
 
     def declare_session_lost(self, session: UUID, reason: str) -> list[RepairAction]:
-        rows = self._run("select * from fleet.declare_session_lost(%s, %s)", (session, reason),
-                         idempotent=False)
+        rows = self._run("select * from fleet.declare_session_lost(%s, %s)", (session, reason))
         return [RepairAction.model_validate(r) for r in rows]
 
     # -- reads
