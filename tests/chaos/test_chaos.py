@@ -33,12 +33,11 @@ Repair delay, two honest definitions (both reported):
   last proved it held the task.
 
 Two figures measure work the fleet threw away rather than lost track of (no assertion on them:
-they are what the chaos costs, and today they also show a defect): ``finished_work_thrown_away``
-counts lost runs whose agent had exited 0, and ``max_seconds_task_held_after_its_agent_ended``
-is how long such a task stayed 'running' after its agent was done. A completion whose connection
-dies mid-call leaves the task leased to a live shift whose heartbeat keeps renewing it, so it is
-held (a lane slot with it) until that shift ends or dies, then released as an evaporation and
-run again. The shifts' and monitors' logs of the last run are copied to ``.fleet/chaos-logs/``.
+they are what the chaos costs): ``finished_work_thrown_away`` counts lost runs whose agent had
+exited 0 (a shift SIGKILLed between its agent's exit and its completion), and
+``max_seconds_task_held_after_its_agent_ended`` is how long such a task stayed 'running' after
+its agent was done. A completion whose connection dies mid-call is made again by the shift (the
+lease token fences the retry); the test kills only the first try of each slowed completion. The shifts' and monitors' logs of the last run are copied to ``.fleet/chaos-logs/``.
 """
 
 from __future__ import annotations
@@ -324,8 +323,13 @@ SLOW_COMPLETE_SQL = f"""
 create function public.chaos_slow_complete() returns trigger language plpgsql as $f$
 begin
     -- test instrumentation only: widen the window in which a completion is in flight
+    -- only the first try of a completion: a marker file (written outside the transaction,
+    -- so it survives the killed connection) tells a retry apart
     if new.outcome = 'done' and old.outcome is null and new.attempt = 1
-       and exists (select 1 from fleet.tasks t where t.id = new.task_id and t.payload ? 'slow_complete') then
+       and exists (select 1 from fleet.tasks t where t.id = new.task_id and t.payload ? 'slow_complete')
+       and pg_stat_file('chaos_slowed_' || new.task_id, true) is null then
+        execute format('copy (select 1) to %L',
+                       current_setting('data_directory') || '/chaos_slowed_' || new.task_id);
         perform pg_sleep({SLOW_COMPLETE_SECONDS});
     end if;
     return new;
