@@ -17,14 +17,12 @@ import statistics
 import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import psycopg
 from psycopg.conninfo import make_conninfo
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from worker.migrate import migrate  # noqa: E402
+from worker.migrate import migrate
 
 INNER = {
     "expired leases": "select t.id from fleet.tasks t where t.state = 'running' and t.lease_expires_at < now()",

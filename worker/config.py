@@ -52,8 +52,8 @@ class DatabaseConfig(_Strict):
     url: str | None = None
     # a transaction-mode pooler (Supavisor, PgBouncer): no server-side prepared statements
     pooler: bool = False
-    pool_min: int = Field(1, ge=0)
-    pool_max: int = Field(8, ge=1)
+    pool_min: int = Field(default=1, ge=0)
+    pool_max: int = Field(default=8, ge=1)
 
 
 class SupabaseConfig(_Strict):
@@ -79,23 +79,23 @@ class LaneConfig(_Strict):
     command: list[str] = Field(min_length=1)
     instructions: Path | None = None  # default: lane_instructions/<lane>.md
     model: str | None = None
-    max_running: int | None = Field(None, ge=0)  # slots across the whole fleet; None = unlimited
-    slots: int | None = Field(None, ge=1)  # concurrent agents per shift; default min(max_running, 4)
-    lease_seconds: int = Field(60, ge=3, le=86400)
-    max_attempts: int = Field(3, ge=1)
-    max_handoffs: int = Field(10, ge=0)
-    session_timeout_seconds: int | None = Field(None, gt=0)
-    backoff_base_seconds: int = Field(10, ge=0)
-    backoff_max_seconds: int = Field(3600, ge=0)
+    max_running: int | None = Field(default=None, ge=0)  # slots across the whole fleet; None = unlimited
+    slots: int | None = Field(default=None, ge=1)  # concurrent agents per shift; default min(max_running, 4)
+    lease_seconds: int = Field(default=60, ge=3, le=86400)
+    max_attempts: int = Field(default=3, ge=1)
+    max_handoffs: int = Field(default=10, ge=0)
+    session_timeout_seconds: int | None = Field(default=None, gt=0)
+    backoff_base_seconds: int = Field(default=10, ge=0)
+    backoff_max_seconds: int = Field(default=3600, ge=0)
     accepts_from: list[str] | None = None
     paused: bool = False
     cron: str | None = None
-    shift_minutes: float = Field(9.0, gt=0)
-    max_shifts: int = Field(1, ge=1)
-    grace_seconds: float = Field(20.0, ge=0)
+    shift_minutes: float = Field(default=9.0, gt=0)
+    max_shifts: int = Field(default=1, ge=1)
+    grace_seconds: float = Field(default=20.0, ge=0)
     require_result: bool = False
     hidden_files: list[str] = Field(default_factory=lambda: ["fleet"])
-    stall_seconds: int | None = Field(None, gt=0)
+    stall_seconds: int | None = Field(default=None, gt=0)
 
     @field_validator("command", mode="before")
     @classmethod

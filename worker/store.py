@@ -293,7 +293,7 @@ class PostgresStore:
 
     def query(self, name: str, **params: Any) -> list[dict[str, Any]]:
         """Run a named query of queries.sql."""
-        return self._run(queries()[name], params)  # type: ignore[arg-type]
+        return self._run(queries()[name], params)
 
     def get_task(self, ref: int | str) -> Task:
         """A task by id (an int, or a string of digits) or by key."""
