@@ -167,10 +167,10 @@ class Shift:
                 if now >= next_heartbeat:
                     self._heartbeat()
                     next_heartbeat = now + self.heartbeat_every
-                    if self._lost:
-                        self._stop_reason = "session-lost"
-                        break
-                claimed = self._claim()
+                claimed = [] if self._lost else self._claim()
+                if self._lost:  # the heartbeat or the claim found the session declared lost
+                    self._stop_reason = "session-lost"
+                    break
                 if self.once and not claimed and not self.jobs and not self.pending:
                     self._stop_reason = "idle"
                     break
