@@ -10,6 +10,7 @@
 --   LF005 invalid argument
 --   LF006 session not active unknown, ended or lost session
 --   LF007 route refused      the target lane does not accept routes from this lane
+--   LF008 lane not allowed   the caller's key may not work that lane (see fleet._allowed_lanes)
 -- Time is always the database's now().
 
 create or replace function fleet._raise(p_code text, p_message text, p_hint text default null)
@@ -18,6 +19,74 @@ language plpgsql
 as $$
 begin
     raise exception using errcode = p_code, message = p_message, hint = coalesce(p_hint, '');
+end
+$$;
+
+-- Lane scoping (DESIGN §8). The lanes the caller may work; NULL means every lane. A key's JWT
+-- names its lanes in the claim fleet_lanes (["docs", ...], "*" for all); PostgREST puts the
+-- claims in request.jwt.claims and switches to the key's role (the setting `role`), which a
+-- SECURITY DEFINER function still sees. Every lane: superusers, BYPASSRLS roles, service_role and
+-- members of the owner of schema fleet (a direct connection as the migrator). An operator key
+-- without fleet_lanes: every lane. Any other caller: only the lanes its claims list (none without).
+create or replace function fleet._allowed_lanes()
+returns text[]
+language plpgsql
+stable
+as $$
+declare
+    v_role text := coalesce(nullif(nullif(current_setting('role', true), ''), 'none'), session_user);
+    v_lanes jsonb;
+begin
+    if v_role = 'service_role'
+       or exists (select 1 from pg_catalog.pg_roles r
+                   where r.rolname = v_role and (r.rolsuper or r.rolbypassrls))
+       or pg_catalog.pg_has_role(v_role, (select n.nspowner from pg_catalog.pg_namespace n
+                                           where n.nspname = 'fleet'), 'MEMBER') then
+        return null;
+    end if;
+    -- nullif: a pooled connection that once saw a request keeps the setting, as ''
+    v_lanes := nullif(current_setting('request.jwt.claims', true), '')::jsonb -> 'fleet_lanes';
+    if v_lanes is null then
+        return case when v_role = 'fleet_operator' then null else '{}'::text[] end;
+    end if;
+    if jsonb_typeof(v_lanes) = 'string' then
+        v_lanes := jsonb_build_array(v_lanes);
+    end if;
+    if jsonb_typeof(v_lanes) <> 'array' then
+        return '{}'::text[];
+    end if;
+    if v_lanes ? '*' then
+        return null;
+    end if;
+    return array(select jsonb_array_elements_text(v_lanes));
+end
+$$;
+
+-- May the caller work lane p_lane? (NULL: every lane, for fleet-wide calls such as reconcile.)
+create or replace function fleet._lane_allowed(p_lane text)
+returns boolean
+language sql
+stable
+as $$
+    select a.lanes is null or (p_lane is not null and p_lane = any (a.lanes))
+      from (select fleet._allowed_lanes() as lanes) a;
+$$;
+
+-- LF008 unless the caller may work lane p_lane. Called before a function writes anything.
+create or replace function fleet._require_lane(p_lane text)
+returns void
+language plpgsql
+as $$
+begin
+    if fleet._lane_allowed(p_lane) then
+        return;
+    end if;
+    if p_lane is null then
+        perform fleet._raise('LF008', 'this call works on every lane and this key is limited to some lanes',
+            'use an operator key without fleet_lanes, or the service_role key');
+    end if;
+    perform fleet._raise('LF008', format('lane %L is not allowed for this key', left(p_lane, 100)),
+        'the key''s fleet_lanes claim lists the lanes it may work; mint one with `fleet keys mint --lane`');
 end
 $$;
 
@@ -61,6 +130,7 @@ begin
     if not found then
         perform fleet._raise('LF003', format('unknown task %s', p_task));
     end if;
+    perform fleet._require_lane(t.lane);
     if t.state <> 'running' or p_token is null or t.lease_token <> p_token then
         perform fleet._raise('LF001',
             format('lease lost: task %s is %s and this lease no longer holds it', p_task, t.state));
@@ -102,7 +172,9 @@ as $$
 #variable_conflict use_column
 declare
     v_id bigint;
+    v_lane text;
 begin
+    perform fleet._require_lane(p_lane);
     if p_key is null or length(p_key) = 0 or length(p_key) > 200 then
         perform fleet._raise('LF005', 'task key must be 1 to 200 characters');
     end if;
@@ -126,7 +198,8 @@ begin
     returning id into v_id;
 
     if v_id is null then
-        select t.id into v_id from fleet.tasks t where t.key = p_key;
+        select t.id, t.lane into v_id, v_lane from fleet.tasks t where t.key = p_key;
+        perform fleet._require_lane(v_lane);  -- the key's task may be in a lane this caller may not see
         return query select v_id, false;
         return;
     end if;
@@ -163,6 +236,7 @@ as $$
 declare
     v_id uuid;
 begin
+    perform fleet._require_lane(p_lane);
     perform fleet._lane(p_lane);
     if p_host is null or p_host = '' then
         perform fleet._raise('LF005', 'host must not be empty');
@@ -194,6 +268,7 @@ begin
     if not found then
         perform fleet._raise('LF006', format('unknown session %s', p_session));
     end if;
+    perform fleet._require_lane(s.lane);
     if s.state <> 'active' then
         perform fleet._raise('LF006',
             format('session %s is %s (%s); its tasks were released', p_session, s.state,
@@ -463,6 +538,7 @@ declare
     t fleet.tasks;
     target fleet.lanes;
 begin
+    perform fleet._require_lane(p_lane);
     target := fleet._lane(p_lane);
     t := fleet._fenced(p_task, p_token);
     if target.name = t.lane then
@@ -504,14 +580,16 @@ as $$
 declare
     r fleet.runs;
     v_task bigint;
+    v_lane text;
 begin
     if p_report is null or jsonb_typeof(p_report) <> 'object' then
         perform fleet._raise('LF005', 'a run report must be a JSON object');
     end if;
-    select task_id into v_task from fleet.runs where lease_token = p_token;
+    select task_id, lane into v_task, v_lane from fleet.runs where lease_token = p_token;
     if not found then
         perform fleet._raise('LF003', 'no run holds that lease token');
     end if;
+    perform fleet._require_lane(v_lane);  -- the run's lane: the task may have been routed on since
     -- Lock order: the task, then its run, as every transition does (_fenced, cancel, _release lock
     -- the task and then end its run). Taking the run row first deadlocks against them.
     perform 1 from fleet.tasks where id = v_task for no key update;
@@ -599,6 +677,7 @@ begin
     if not found then
         perform fleet._raise('LF006', format('unknown session %s', p_session));
     end if;
+    perform fleet._require_lane(s.lane);
     select id into v_id from fleet.lane_handoffs where session_id = p_session;
     if v_id is not null then
         return v_id;  -- closed already: closing again is a no-op
@@ -665,6 +744,7 @@ begin
     if not found then
         perform fleet._raise('LF003', format('unknown task %s', p_task));
     end if;
+    perform fleet._require_lane(t.lane);
     if t.state = 'cancelled' then
         return 'cancelled';
     end if;
@@ -695,6 +775,7 @@ begin
     if not found then
         perform fleet._raise('LF003', format('unknown task %s', p_task));
     end if;
+    perform fleet._require_lane(t.lane);
     if t.state not in ('dead', 'cancelled') then
         perform fleet._raise('LF004',
             format('task %s is %s: only dead or cancelled tasks can be retried', p_task, t.state));

@@ -15,6 +15,7 @@ declare
     v_old fleet.lanes;
     v_new fleet.lanes;
 begin
+    perform fleet._require_lane(p_name);
     if p_name is null or p_name !~ '^[a-z0-9][a-z0-9_-]{0,62}$' then
         perform fleet._raise('LF005', format('%L is not a lane name', p_name),
             'lowercase letters, digits, - and _, 63 characters at most');
@@ -91,6 +92,7 @@ begin
     if not found then
         perform fleet._raise('LF006', format('unknown session %s', p_session));
     end if;
+    perform fleet._require_lane(s.lane);
     if s.state = 'active' then
         update fleet.sessions
            set state = 'lost', ended_at = now(), end_reason = coalesce(p_reason, 'lost')
@@ -130,6 +132,7 @@ declare
     r record;
     v_state text;
 begin
+    perform fleet._require_lane(null);  -- a pass repairs every lane
     if not pg_try_advisory_xact_lock(7366104385829012) then
         action := 'skipped'; detail := jsonb_build_object('reason', 'another monitor is reconciling');
         return next;
@@ -234,5 +237,11 @@ begin
         end if;
         return next;
     end loop;
+
+    -- 6. roll the hours that closed since the last pass into fleet.lane_hours, so the
+    --    dashboards' 30-day views stay fast (defined with the views, in a later migration)
+    if to_regprocedure('fleet.roll_up_lane_hours(integer)') is not null then
+        perform fleet.roll_up_lane_hours();
+    end if;
 end
 $$;

@@ -12,6 +12,7 @@ import typer
 from rich.markup import escape
 
 from monitor import commands as monitor_commands
+from monitor import dashboards
 from worker import cli as worker_cli
 from worker.errors import FleetError
 
@@ -20,6 +21,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
 app.callback()(worker_cli.root_callback)
 worker_cli.register(app)
 monitor_commands.register(app)
+dashboards.register(app)
 
 
 def main() -> None:

@@ -100,7 +100,8 @@ def run(
     for name in chosen:
         r.cfg.lane(name)
     store = r.store()
-    launcher = ShiftLauncher(r.cfg, shift_env(r.cfg, r.url, r.config_path),
+    url = r.url if r.cfg.fleet.store == "postgres" else None
+    launcher = ShiftLauncher(r.cfg, shift_env(r.cfg, url, r.config_path),
                              log_dir=r.cfg.path(r.cfg.fleet.home) / "logs")
     scheduler = BackgroundScheduler(timezone="UTC")
     scheduled = []

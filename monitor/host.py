@@ -94,10 +94,12 @@ class ShiftLauncher:
         self.reap()
 
 
-def shift_env(cfg: FleetConfig, url: str, config_path: Path | None) -> dict[str, str]:
-    """The environment of a launched shift: the same database and config as this host."""
+def shift_env(cfg: FleetConfig, url: str | None, config_path: Path | None) -> dict[str, str]:
+    """The environment of a launched shift: the same database (None: the Supabase store, whose
+    settings come from the config and the environment) and config as this host."""
     env = dict(os.environ)
-    env["DATABASE_URL"] = url
+    if url is not None:
+        env["DATABASE_URL"] = url
     if config_path is not None:
         env["FLEET_CONFIG"] = str(config_path.resolve())
     elif cfg.source is not None:

@@ -34,6 +34,7 @@ from worker.errors import (
     UnknownLane,
     UnknownTask,
 )
+from worker.migrate import load_migrations
 from worker.models import RepairAction, Task
 from worker.store import PostgresStore, lane_settings
 
@@ -421,7 +422,7 @@ def test_embedded_postgres_starts_is_reused_migrates_and_stops() -> None:
         assert int(pidfile.read_text().split()[0]) == pid
 
         result = migrate(url)
-        assert len(result.applied) == 3
+        assert len(result.applied) == len(load_migrations())
         with PostgresStore(url) as s:
             assert s.sync_lane("docs", settings()) == "created"
             task_id, created = s.enqueue("docs", "embedded:1")

@@ -359,3 +359,7 @@ def register(root: typer.Typer) -> None:
     root.registered_commands.extend(app.registered_commands)
     root.add_typer(lanes_app, name="lanes")
     root.add_typer(db_app, name="db")
+    from worker import devstack, keys
+
+    keys.register(root)
+    devstack.register(root)

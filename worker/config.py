@@ -57,8 +57,9 @@ class DatabaseConfig(_Strict):
 
 
 class SupabaseConfig(_Strict):
-    url: str | None = None
-    key: str | None = None
+    url: str | None = None  # the project URL (env SUPABASE_URL)
+    anon_key: str | None = None  # the project's anon key, sent as `apikey` (env SUPABASE_ANON_KEY)
+    key: str | None = None  # this host's fleet key, a JWT from `fleet keys mint` (env FLEET_KEY)
 
 
 class FleetSection(_Strict):

@@ -47,6 +47,10 @@ class RouteRefused(FleetError):
     """The target lane does not accept tasks routed from this lane."""
 
 
+class LaneForbidden(FleetError):
+    """The caller's key may not work that lane (its JWT's fleet_lanes claim does not list it)."""
+
+
 class ConfigError(FleetError):
     """fleet.toml or the environment holds a bad value."""
 
@@ -67,4 +71,5 @@ SQLSTATE_ERRORS: dict[str, type[FleetError]] = {
     "LF005": InvalidInput,
     "LF006": SessionLost,
     "LF007": RouteRefused,
+    "LF008": LaneForbidden,
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from typing import cast
 
 import psycopg
 
@@ -38,7 +39,18 @@ class Runtime:
         return embedded_url(self.cfg.path(self.cfg.fleet.home))
 
     def store(self, *, check_schema: bool = True, call_budget: float | None = None) -> PostgresStore:
-        """The store (made once). ``call_budget``: see :class:`PostgresStore`."""
+        """The store (made once). ``call_budget``: see :class:`PostgresStore`.
+
+        ``[fleet] store = "supabase"``: a :class:`~worker.supabase_store.SupabaseStore` (the same
+        methods over Supabase's REST API; no database URL is used).
+        """
+        if self._store is None and self.cfg.fleet.store == "supabase":
+            from worker.supabase_store import SupabaseStore
+
+            rest = SupabaseStore.from_config(self.cfg, call_budget=call_budget)
+            if check_schema:
+                rest.check_schema()
+            self._store = cast(PostgresStore, rest)  # duck-typed: every method callers use
         if self._store is None:
             if check_schema:
                 self.check_schema()

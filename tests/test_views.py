@@ -1,0 +1,866 @@
+"""The operator dashboards in SQL (DESIGN §10, migrations/*_fleet_views.sql), against a real Postgres.
+
+Each view gets a history built with the real SQL API (enqueue, claim, complete, fail, hand_off,
+route, record_run, cancel, retry, _release, reconcile, ...), with timestamps moved by UPDATE
+where a figure depends on them, and its exact figures are asserted. The hourly views are checked
+twice: computed live, and from the rolled-up hours (fleet.roll_up_lane_hours), which must agree.
+Last, a plan test at a moderate scale asserts that the time windows are read through indexes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import uuid
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.types.json import Jsonb
+from test_sql_api import (
+    cancel,
+    checkpoint,
+    claim_one,
+    close_session,
+    complete,
+    enqueue,
+    fail,
+    hand_off,
+    one,
+    open_session,
+    record_run,
+    release,
+    retry,
+    route,
+    rows,
+)
+
+from worker.executor import parse_result
+
+ROOT = Path(__file__).resolve().parents[1]
+VIEWS = ["lane_overview", "stuck_tasks", "session_overview", "recent_repairs", "dead_letters",
+         "throughput_hourly", "usage_by_lane_day"]
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+
+
+def lane(conn: psycopg.Connection, name: str, **settings: Any) -> str:
+    assert one(conn, "select fleet.sync_lane(%s, %s)", (name, Jsonb(settings))) == "created"
+    return name
+
+
+def take(conn: psycopg.Connection, session: uuid.UUID, task_id: int) -> dict[str, Any]:
+    """Claim exactly this task: it is made the first ready task of its lane for the claim."""
+    conn.execute("update fleet.tasks set priority = 1000, run_at = least(run_at, now()) where id = %s",
+                 (task_id,))
+    got = claim_one(conn, session)
+    assert got["id"] == task_id, f"claimed {got['id']}, wanted {task_id}"
+    conn.execute("update fleet.tasks set priority = 0 where id = %s", (task_id,))
+    return got
+
+
+def run_id(conn: psycopg.Connection, token: Any) -> int:
+    return int(one(conn, "select id from fleet.runs where lease_token = %s", (token,)))
+
+
+def set_run(conn: psycopg.Connection, token: Any, started: str | None = None, ended: str | None = None) -> None:
+    """Move a run's start and end (SQL expressions, e.g. ``now() - interval '1 hour'``)."""
+    if started:
+        conn.execute(f"update fleet.runs set started_at = {started} where lease_token = %s", (token,))
+    if ended:
+        conn.execute(f"update fleet.runs set ended_at = {ended} where lease_token = %s", (token,))
+
+
+def view(conn: psycopg.Connection, name: str, where: str = "true", params: Any = None) -> list[dict[str, Any]]:
+    return rows(conn, f"select * from fleet.{name} where {where}", params)
+
+
+def by(rows_: list[dict[str, Any]], key: str) -> dict[Any, dict[str, Any]]:
+    out = {r[key]: r for r in rows_}
+    assert len(out) == len(rows_), f"{key} repeats in {rows_}"
+    return out
+
+
+def pick(row: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: row[k] for k in keys}
+
+
+def roll_up(conn: psycopg.Connection) -> int:
+    return int(one(conn, "select fleet.roll_up_lane_hours(0)"))
+
+
+def forget_roll_up(conn: psycopg.Connection) -> None:
+    conn.execute("delete from fleet.lane_hours; delete from fleet.lane_hours_rollup")
+
+
+# ------------------------------------------------------------------------------------------------
+# lane_overview
+
+
+def test_lane_overview_counts_live_work_and_the_last_24_hours(conn: psycopg.Connection) -> None:
+    lane(conn, "a", max_running=3, max_attempts=2, max_handoffs=1, backoff_base_seconds=3600)
+    lane(conn, "b")
+    lane(conn, "c", paused=True, max_running=0)
+    s1 = open_session(conn, "a", host="h1", pid=101)
+
+    x1 = enqueue(conn, "a", "x1")
+    complete(conn, x1, take(conn, s1, x1)["lease_token"])                  # done
+    x2 = enqueue(conn, "a", "x2")
+    assert fail(conn, x2, take(conn, s1, x2)["lease_token"]) == "queued"   # retried later (back-off)
+    x3 = enqueue(conn, "a", "x3")
+    assert fail(conn, x3, take(conn, s1, x3)["lease_token"]) == "queued"
+    assert fail(conn, x3, take(conn, s1, x3)["lease_token"]) == "dead"     # attempt cap
+    x4 = enqueue(conn, "a", "x4")
+    assert hand_off(conn, x4, take(conn, s1, x4)["lease_token"], {}) == "queued"
+    s2 = open_session(conn, "a", host="h2", pid=102)
+    assert hand_off(conn, x4, take(conn, s2, x4)["lease_token"], {}) == "dead"  # hand-off cap
+    close_session(conn, s2, "deadline")
+    x5 = enqueue(conn, "a", "x5")
+    take(conn, s1, x5)
+    assert release(conn, x5, "lease-expired") == "queued"                  # repaired
+    take(conn, s1, x5)
+    assert release(conn, x5, "lease-expired") == "dead"                    # repaired at the cap
+    x6 = enqueue(conn, "a", "x6")
+    assert cancel(conn, x6) == "cancelled"
+    assert retry(conn, x3) == "queued"                                     # operator retry: ready
+    x7 = enqueue(conn, "a", "x7")
+    take(conn, s1, x7)                                                     # running
+    x8 = enqueue(conn, "a", "x8")
+    complete(conn, x8, take(conn, s1, x8)["lease_token"])
+    conn.execute("update fleet.events set ts = now() - interval '25 hours' where task_id = %s", (x8,))
+    enqueue(conn, "a", "x9", run_at=datetime.now(UTC) - timedelta(seconds=300))   # ready, oldest
+    enqueue(conn, "a", "x10", run_at=datetime.now(UTC) + timedelta(days=1))       # scheduled
+
+    sb = open_session(conn, "b")
+    y1 = enqueue(conn, "b", "y1")
+    complete(conn, y1, take(conn, sb, y1)["lease_token"])
+    close_session(conn, sb, "deadline")
+    enqueue(conn, "b", "y2")
+    enqueue(conn, "c", "z1")
+
+    got = by(view(conn, "lane_overview"), "lane")
+    assert list(got) == ["a", "b", "c"]
+    counts = ["paused", "queued", "ready", "scheduled", "running", "slots", "idle_slots", "done_24h",
+              "failed_24h", "dead_24h", "cancelled_24h", "retries_24h", "handoffs_24h", "repairs_24h",
+              "operator_retries_24h", "active_sessions"]
+    assert pick(got["a"], *counts) == {
+        "paused": False, "queued": 4, "ready": 2, "scheduled": 2, "running": 1, "slots": 3, "idle_slots": 2,
+        "done_24h": 1, "failed_24h": 3, "dead_24h": 3, "cancelled_24h": 1, "retries_24h": 3,
+        "handoffs_24h": 2, "repairs_24h": 2, "operator_retries_24h": 1, "active_sessions": 1}
+    assert pick(got["b"], *counts) == {
+        "paused": False, "queued": 1, "ready": 1, "scheduled": 0, "running": 0, "slots": None,
+        "idle_slots": None, "done_24h": 1, "failed_24h": 0, "dead_24h": 0, "cancelled_24h": 0,
+        "retries_24h": 0, "handoffs_24h": 0, "repairs_24h": 0, "operator_retries_24h": 0,
+        "active_sessions": 0}
+    assert pick(got["c"], *counts) == {
+        "paused": True, "queued": 1, "ready": 1, "scheduled": 0, "running": 0, "slots": 0, "idle_slots": 0,
+        "done_24h": 0, "failed_24h": 0, "dead_24h": 0, "cancelled_24h": 0, "retries_24h": 0,
+        "handoffs_24h": 0, "repairs_24h": 0, "operator_retries_24h": 0, "active_sessions": 0}
+    assert 300 <= got["a"]["oldest_ready_seconds"] < 330
+    assert got["c"]["oldest_ready_seconds"] < 30
+    assert got["a"]["last_handoff_at"] == one(
+        conn, "select created_at from fleet.lane_handoffs where session_id = %s", (s2,))
+    assert got["b"]["last_handoff_at"] == one(
+        conn, "select created_at from fleet.lane_handoffs where session_id = %s", (sb,))
+    assert got["c"]["last_handoff_at"] is None
+
+
+# ------------------------------------------------------------------------------------------------
+# stuck_tasks
+
+
+def test_stuck_tasks_names_each_reason(conn: psycopg.Connection) -> None:
+    lane(conn, "s", lease_seconds=60, max_attempts=5, backoff_base_seconds=0, config={"stall_seconds": 600})
+    sa = open_session(conn, "s", host="ha", pid=11)
+    # ten stages completed an hour ago, lasting 100 s .. 1000 s: p95 = 900 + 0.55 * 100 = 955
+    for i in range(1, 11):
+        t = enqueue(conn, "s", f"hist-{i}")
+        token = take(conn, sa, t)["lease_token"]
+        complete(conn, t, token)
+        set_run(conn, token, started=f"now() - interval '1 hour' - interval '{i * 100} seconds'",
+                ended="now() - interval '1 hour'")
+
+    healthy = enqueue(conn, "s", "healthy")
+    take(conn, sa, healthy)
+    expired = enqueue(conn, "s", "expired")
+    take(conn, sa, expired)
+    conn.execute("update fleet.tasks set lease_expires_at = now() - interval '5 seconds' where id = %s", (expired,))
+    expiring = enqueue(conn, "s", "expiring")
+    take(conn, sa, expiring)
+    conn.execute("update fleet.tasks set lease_expires_at = now() + interval '10 seconds' where id = %s",
+                 (expiring,))
+    long_run = enqueue(conn, "s", "long-run")
+    token = take(conn, sa, long_run)["lease_token"]
+    set_run(conn, token, started="now() - interval '1000 seconds'")
+    checkpoint(conn, long_run, token, {"step": 3})                  # progress now: not stalled
+    stalled = enqueue(conn, "s", "stalled")
+    token = take(conn, sa, stalled)["lease_token"]
+    set_run(conn, token, started="now() - interval '700 seconds'")  # under the p95, no progress
+    retried = enqueue(conn, "s", "retried")
+    first = take(conn, sa, retried)["lease_token"]
+    assert fail(conn, retried, first) == "queued"
+    set_run(conn, first, started="now() - interval '2000 seconds'", ended="now() - interval '1900 seconds'")
+    second = take(conn, sa, retried)
+    assert second["attempts"] == 2                                  # the stage began 2000 s ago
+
+    ss = open_session(conn, "s", host="hs", pid=22)
+    silent = enqueue(conn, "s", "silent")
+    take(conn, ss, silent)
+    both = enqueue(conn, "s", "both")
+    take(conn, ss, both)
+    conn.execute("update fleet.tasks set lease_expires_at = now() - interval '1 second' where id = %s", (both,))
+    conn.execute("update fleet.sessions set heartbeat_at = now() - interval '120 seconds' where id = %s", (ss,))
+    sl = open_session(conn, "s", host="hl", pid=33)
+    orphan = enqueue(conn, "s", "orphan")
+    take(conn, sl, orphan)
+    conn.execute("update fleet.sessions set state = 'lost', ended_at = now(), end_reason = 'pid-gone'"
+                 " where id = %s", (sl,))
+
+    got = by(view(conn, "stuck_tasks"), "key")
+    assert {k: v["reasons"] for k, v in got.items()} == {
+        "expired": ["lease-expired"],
+        "expiring": ["lease-expiring"],
+        "long-run": ["over-p95"],
+        "stalled": ["stalled"],
+        "retried": ["over-p95"],
+        "silent": ["session-silent"],
+        "both": ["lease-expired", "session-silent"],
+        "orphan": ["session-lost"],
+    }
+    assert healthy not in {v["task_id"] for v in got.values()}
+    assert all(v["lane_p95_seconds"] == Decimal("955.0") for v in got.values())
+    assert 2000 <= got["retried"]["running_seconds"] < 2030
+    assert got["retried"]["attempt"] == 2
+    assert 1000 <= got["long-run"]["running_seconds"] < 1030
+    assert 700 <= got["stalled"]["running_seconds"] < 730
+    assert -6 < got["expired"]["lease_remaining_seconds"] <= -5
+    assert pick(got["orphan"], "host", "pid", "session_state") == {"host": "hl", "pid": 33, "session_state": "lost"}
+    assert pick(got["silent"], "host", "pid", "session_state") == {"host": "hs", "pid": 22, "session_state": "active"}
+    assert 120 <= got["silent"]["heartbeat_age_seconds"] < 150
+    # oldest stage first
+    assert [r["key"] for r in view(conn, "stuck_tasks")][:3] == ["retried", "long-run", "stalled"]
+
+
+def test_stuck_tasks_needs_ten_completions_for_a_p95(conn: psycopg.Connection) -> None:
+    lane(conn, "s", lease_seconds=60)
+    sa = open_session(conn, "s")
+    for i in range(9):
+        t = enqueue(conn, "s", f"hist-{i}")
+        token = take(conn, sa, t)["lease_token"]
+        complete(conn, t, token)
+        set_run(conn, token, started="now() - interval '2 hours'", ended="now() - interval '2 hours' + interval '10 seconds'")
+    t = enqueue(conn, "s", "long")
+    set_run(conn, take(conn, sa, t)["lease_token"], started="now() - interval '1 hour'")
+    assert view(conn, "stuck_tasks") == []   # 9 completions: no p95 to judge by
+
+
+# ------------------------------------------------------------------------------------------------
+# session_overview
+
+
+def test_session_overview_lists_active_and_recent_shifts(conn: psycopg.Connection) -> None:
+    lane(conn, "a", lease_seconds=60, backoff_base_seconds=0)
+    s1 = open_session(conn, "a", host="h1", pid=101)
+    for key, tokens, cost in (("t1", 100, "0.1"), ("t2", 200, "0.2")):
+        t = enqueue(conn, "a", key)
+        token = take(conn, s1, t)["lease_token"]
+        record_run(conn, token, {"input_tokens": tokens, "output_tokens": tokens // 10, "cost_usd": cost})
+        complete(conn, t, token)
+    t3 = enqueue(conn, "a", "t3")
+    fail(conn, t3, take(conn, s1, t3)["lease_token"])
+    t4 = enqueue(conn, "a", "t4")
+    take(conn, s1, t4)
+    conn.execute("update fleet.sessions set started_at = now() - interval '100 seconds',"
+                 " heartbeat_at = now() - interval '5 seconds' where id = %s", (s1,))
+
+    s2 = open_session(conn, "a", host="h2", pid=102)
+    t5 = enqueue(conn, "a", "t5")
+    hand_off(conn, t5, take(conn, s2, t5)["lease_token"], {})
+    close_session(conn, s2, "deadline")
+    conn.execute("update fleet.sessions set started_at = now() - interval '2 hours',"
+                 " ended_at = now() - interval '1 hour' where id = %s", (s2,))
+    s3 = open_session(conn, "a", host="h3", pid=103)
+    t6 = enqueue(conn, "a", "t6")
+    take(conn, s3, t6)
+    rows(conn, "select * from fleet.declare_session_lost(%s, 'pid-gone')", (s3,))
+    s4 = open_session(conn, "a", host="h4", pid=104)
+    close_session(conn, s4, "deadline")
+    conn.execute("update fleet.sessions set started_at = now() - interval '30 hours',"
+                 " ended_at = now() - interval '29 hours' where id = %s", (s4,))
+    s5 = open_session(conn, "a", host="h5", pid=105, seconds=200_000)
+    conn.execute("update fleet.sessions set started_at = now() - interval '30 hours' where id = %s", (s5,))
+
+    got = view(conn, "session_overview")
+    assert [r["session_id"] for r in got] == [s1, s5, s3, s2]   # active first, then newest first
+    keys = ["lane", "host", "pid", "state", "tasks_held", "runs", "done", "failed", "handed_off", "lost",
+            "tokens", "cost_usd", "end_reason"]
+    got_by = by(got, "session_id")
+    assert pick(got_by[s1], *keys) == {
+        "lane": "a", "host": "h1", "pid": 101, "state": "active", "tasks_held": 1, "runs": 4, "done": 2,
+        "failed": 1, "handed_off": 0, "lost": 0, "tokens": 330, "cost_usd": Decimal("0.3"), "end_reason": None}
+    assert pick(got_by[s2], *keys) == {
+        "lane": "a", "host": "h2", "pid": 102, "state": "ended", "tasks_held": 0, "runs": 1, "done": 0,
+        "failed": 0, "handed_off": 1, "lost": 0, "tokens": 0, "cost_usd": Decimal("0"), "end_reason": "deadline"}
+    assert pick(got_by[s3], *keys) == {
+        "lane": "a", "host": "h3", "pid": 103, "state": "lost", "tasks_held": 0, "runs": 1, "done": 0,
+        "failed": 0, "handed_off": 0, "lost": 1, "tokens": 0, "cost_usd": Decimal("0"), "end_reason": "pid-gone"}
+    assert pick(got_by[s5], "state", "tasks_held", "runs") == {"state": "active", "tasks_held": 0, "runs": 0}
+    assert got_by[s2]["age_seconds"] == Decimal("3600.0")
+    assert 100 <= got_by[s1]["age_seconds"] < 130
+    assert 5 <= got_by[s1]["heartbeat_age_seconds"] < 30
+    assert 590 - 130 < got_by[s1]["deadline_in_seconds"] <= 600
+
+
+# ------------------------------------------------------------------------------------------------
+# recent_repairs
+
+
+def test_recent_repairs_newest_first_with_reason_and_outcome(conn: psycopg.Connection) -> None:
+    lane(conn, "r", lease_seconds=3, session_timeout_seconds=3600, max_attempts=3, backoff_base_seconds=0)
+    sr = open_session(conn, "r", host="hr", pid=7)
+    r1 = enqueue(conn, "r", "r1")
+    take(conn, sr, r1)
+    due = one(conn, "update fleet.tasks set lease_expires_at = now() - interval '1 second' where id = %s"
+                    " returning lease_expires_at", (r1,))
+    acted = rows(conn, "select * from fleet.reconcile(300, 60)")
+    assert [(a["action"], a["task_id"]) for a in acted] == [("released", r1)]
+
+    sl = open_session(conn, "r", host="hx", pid=777)
+    r2 = enqueue(conn, "r", "r2")
+    take(conn, sl, r2)
+    rows(conn, "select * from fleet.declare_session_lost(%s, 'pid-gone')", (sl,))
+
+    sc = open_session(conn, "r", host="hc", pid=8)
+    r3 = enqueue(conn, "r", "r3", max_attempts=1)
+    take(conn, sc, r3)
+    close_session(conn, sc, "signal")                  # releases r3, at its cap: dead
+
+    r4 = enqueue(conn, "r", "r4")
+    take(conn, sr, r4)
+    release(conn, r4, "lease-expired")
+    conn.execute("update fleet.events set ts = now() - interval '8 days' where task_id = %s and kind = 'repaired'",
+                 (r4,))
+
+    got = view(conn, "recent_repairs")
+    keys = ["task_id", "key", "lane", "reason", "state", "attempt", "evaporations", "host", "pid"]
+    assert [pick(r, *keys) for r in got] == [
+        {"task_id": r3, "key": "r3", "lane": "r", "reason": "session-closed", "state": "dead", "attempt": 1,
+         "evaporations": 1, "host": "hc", "pid": 8},
+        {"task_id": r2, "key": "r2", "lane": "r", "reason": "pid-gone", "state": "queued", "attempt": 1,
+         "evaporations": 1, "host": "hx", "pid": 777},
+        {"task_id": r1, "key": "r1", "lane": "r", "reason": "lease-expired", "state": "queued", "attempt": 1,
+         "evaporations": 1, "host": "hr", "pid": 7},
+    ]
+    assert got[2]["lease_expired_at"] == due
+    assert [r["session_id"] for r in got] == [sc, sl, sr]
+
+
+# ------------------------------------------------------------------------------------------------
+# dead_letters
+
+
+def test_dead_letters_say_why_with_the_last_error(conn: psycopg.Connection) -> None:
+    lane(conn, "d", max_attempts=3, max_handoffs=0, backoff_base_seconds=0)
+    s = open_session(conn, "d")
+    d1 = enqueue(conn, "d", "d1", title="fatal one")
+    token = take(conn, s, d1)["lease_token"]
+    record_run(conn, token, {"exit_code": 2})
+    assert fail(conn, d1, token, "syntax error in main.py", retryable=False) == "dead"
+    d2 = enqueue(conn, "d", "d2", max_attempts=1)
+    take(conn, s, d2)
+    assert release(conn, d2, "lease-expired") == "dead"
+    d3 = enqueue(conn, "d", "d3")
+    assert hand_off(conn, d3, take(conn, s, d3)["lease_token"], {}) == "dead"
+    d4 = enqueue(conn, "d", "d4")
+    fail(conn, d4, take(conn, s, d4)["lease_token"], "old", retryable=False)
+    d5 = enqueue(conn, "d", "d5")
+    fail(conn, d5, take(conn, s, d5)["lease_token"], "retried since", retryable=False)
+    retry(conn, d5)
+    for task_id, ago in ((d1, "3 hours"), (d2, "2 hours"), (d3, "1 hour"), (d4, "31 days")):
+        conn.execute(f"update fleet.tasks set finished_at = now() - interval '{ago}' where id = %s", (task_id,))
+
+    got = view(conn, "dead_letters")
+    keys = ["task_id", "key", "title", "dead_reason", "last_error", "attempts", "failures", "evaporations",
+            "handoffs", "last_run_outcome", "last_exit_code"]
+    assert [pick(r, *keys) for r in got] == [
+        {"task_id": d3, "key": "d3", "title": None, "dead_reason": "handoff-cap", "last_error": None,
+         "attempts": 1, "failures": 0, "evaporations": 0, "handoffs": 1, "last_run_outcome": "handed_off",
+         "last_exit_code": None},
+        {"task_id": d2, "key": "d2", "title": None, "dead_reason": "attempt-cap",
+         "last_error": "released: lease-expired", "attempts": 1, "failures": 0, "evaporations": 1,
+         "handoffs": 0, "last_run_outcome": "lost", "last_exit_code": None},
+        {"task_id": d1, "key": "d1", "title": "fatal one", "dead_reason": "fatal",
+         "last_error": "syntax error in main.py", "attempts": 1, "failures": 1, "evaporations": 0,
+         "handoffs": 0, "last_run_outcome": "failed", "last_exit_code": 2},
+    ]
+
+
+# ------------------------------------------------------------------------------------------------
+# throughput_hourly
+
+
+def _hour(conn: psycopg.Connection, offset_hours: int) -> datetime:
+    """The start of the UTC hour ``offset_hours`` from the current one."""
+    return one(conn, "select date_trunc('hour', now(), 'UTC') + make_interval(hours => %s)", (offset_hours,))
+
+
+def build_throughput_history(conn: psycopg.Connection) -> dict[str, Any]:
+    """Two lanes, two hours H and H+1 (H = three hours ago), every kind of outcome."""
+    lane(conn, "a", max_attempts=3, backoff_base_seconds=0, accepts_from=None)
+    lane(conn, "b")
+    h = _hour(conn, -3)
+
+    def at(minutes: float) -> str:
+        return f"'{(h + timedelta(minutes=minutes)).isoformat()}'::timestamptz"
+
+    def created(task_id: int, minutes: float) -> None:
+        conn.execute(f"update fleet.tasks set created_at = {at(minutes)} where id = %s", (task_id,))
+
+    s = open_session(conn, "a")
+    s2 = open_session(conn, "a")
+    sb = open_session(conn, "b")
+    # t1: one run, 10 min: done in H
+    t1 = enqueue(conn, "a", "t1")
+    created(t1, 5)
+    tok = take(conn, s, t1)["lease_token"]
+    complete(conn, t1, tok)
+    set_run(conn, tok, at(10), at(20))
+    # t2: failed at H+1m..2m, then done H+30m .. H+70m: stage wall-clock 69 min, done in H+1
+    t2 = enqueue(conn, "a", "t2")
+    created(t2, 0)
+    tok1 = take(conn, s, t2)["lease_token"]
+    fail(conn, t2, tok1)
+    tok2 = take(conn, s, t2)["lease_token"]
+    complete(conn, t2, tok2)
+    set_run(conn, tok1, at(1), at(2))
+    set_run(conn, tok2, at(30), at(70))
+    # t3: handed off H+5m..15m, then done by the next shift H+20m..40m: 35 min, done in H
+    t3 = enqueue(conn, "a", "t3")
+    created(t3, 4)
+    tok1 = take(conn, s, t3)["lease_token"]
+    hand_off(conn, t3, tok1, {})
+    tok2 = take(conn, s2, t3)["lease_token"]
+    complete(conn, t3, tok2)
+    set_run(conn, tok1, at(5), at(15))
+    set_run(conn, tok2, at(20), at(40))
+    # t4: claimed H+50m, repaired H+55m
+    t4 = enqueue(conn, "a", "t4")
+    created(t4, 49)
+    tok = take(conn, s, t4)["lease_token"]
+    release(conn, t4, "lease-expired")
+    set_run(conn, tok, at(50), at(55))
+    # t5: a routes it to b H+3m..13m (10 min), b does it H+60m..90m (30 min)
+    t5 = enqueue(conn, "a", "t5")
+    created(t5, 2)
+    tok1 = take(conn, s, t5)["lease_token"]
+    route(conn, t5, tok1, "b", {"why": "review"})
+    tok2 = take(conn, sb, t5)["lease_token"]
+    complete(conn, t5, tok2)
+    set_run(conn, tok1, at(3), at(13))
+    set_run(conn, tok2, at(60), at(90))
+    conn.execute(f"update fleet.events set ts = {at(13)} where task_id = %s and kind = 'routed'", (t5,))
+    # t6: claimed H+105m, still running
+    t6 = enqueue(conn, "a", "t6")
+    created(t6, 100)
+    tok = take(conn, s, t6)["lease_token"]
+    set_run(conn, tok, at(105))
+    # t7: claimed H+100m, cancelled while running H+110m
+    t7 = enqueue(conn, "a", "t7")
+    created(t7, 100)
+    tok = take(conn, s, t7)["lease_token"]
+    cancel(conn, t7)
+    set_run(conn, tok, at(100), at(110))
+    # t8: 31 days ago: out of the window
+    t8 = enqueue(conn, "a", "t8")
+    tok = take(conn, s, t8)["lease_token"]
+    complete(conn, t8, tok)
+    conn.execute("update fleet.tasks set created_at = now() - interval '31 days' where id = %s", (t8,))
+    set_run(conn, tok, "now() - interval '31 days'", "now() - interval '31 days' + interval '1 minute'")
+    return {"h": h, "h1": h + timedelta(hours=1)}
+
+
+EMPTY = {"enqueued": 0, "routed_in": 0, "started": 0, "done": 0, "routed": 0, "failed": 0, "handed_off": 0,
+         "lost": 0, "cancelled": 0, "wall_p50_seconds": None, "wall_p95_seconds": None}
+
+
+def expected_throughput(h: datetime, h1: datetime) -> dict[tuple[str, datetime], dict[str, Any]]:
+    return {
+        ("a", h): EMPTY | {"enqueued": 5, "started": 7, "done": 2, "routed": 1, "failed": 1, "handed_off": 1,
+                           "lost": 1, "wall_p50_seconds": Decimal("600.0"), "wall_p95_seconds": Decimal("1950.0")},
+        ("a", h1): EMPTY | {"enqueued": 2, "started": 2, "done": 1, "cancelled": 1, "wall_p50_seconds": Decimal("4140.0"),
+                            "wall_p95_seconds": Decimal("4140.0")},
+        ("b", h): EMPTY | {"routed_in": 1},
+        ("b", h1): EMPTY | {"started": 1, "done": 1, "wall_p50_seconds": Decimal("1800.0"),
+                            "wall_p95_seconds": Decimal("1800.0")},
+    }
+
+
+def test_throughput_hourly_counts_arrivals_claims_outcomes_and_wall_clock(conn: psycopg.Connection) -> None:
+    hours = build_throughput_history(conn)
+    want = expected_throughput(hours["h"], hours["h1"])
+
+    def got() -> dict[tuple[str, datetime], dict[str, Any]]:
+        out = {}
+        for r in view(conn, "throughput_hourly"):
+            key = (r.pop("lane"), r.pop("hour"))
+            out[key] = r
+        return out
+
+    assert got() == want                                 # computed live
+    assert [(r["lane"], r["hour"]) for r in view(conn, "throughput_hourly")] == sorted(
+        want, key=lambda k: (-k[1].timestamp(), k[0]))  # newest hour first
+    assert roll_up(conn) == 4
+    assert one(conn, "select rolled_until from fleet.lane_hours_rollup") == _hour(conn, 0)
+    assert one(conn, "select count(*) from fleet.lane_hours") == 4
+    assert got() == want                                 # read from the roll-up
+    assert roll_up(conn) == 0                            # no hour closed since
+
+
+def test_roll_up_recomputes_late_writes_and_skips_when_busy(db_url: str, conn: psycopg.Connection) -> None:
+    hours = build_throughput_history(conn)
+    roll_up(conn)
+    rolled = "select input_tokens from fleet.lane_hours where lane = 'a' and hour = %s"
+    assert one(conn, rolled, (hours["h"],)) == 0
+    # a late write into a rolled-up hour (a run's tokens recorded after the roll-up) ...
+    token = one(conn, "select lease_token from fleet.runs where task_id = (select id from fleet.tasks where key = 't1')")
+    record_run(conn, token, {"input_tokens": 1000, "cost_usd": 0.5})
+    assert one(conn, rolled, (hours["h"],)) == 0
+    # ... is counted once the next hour closes: the last two hours rolled up are computed again
+    # (H is three hours back; the hour before the last one rolled up is two hours after it)
+    conn.execute("update fleet.lane_hours_rollup set rolled_until = rolled_until - interval '1 hour'")
+    assert roll_up(conn) > 0
+    assert one(conn, rolled, (hours["h"],)) == 1000
+    # a second roll-up while one runs returns -1 and writes nothing
+    with psycopg.connect(db_url) as other:
+        other.execute("select pg_advisory_xact_lock(7366104385829013)")
+        conn.execute("update fleet.lane_hours_rollup set rolled_until = rolled_until - interval '1 hour'")
+        assert roll_up(conn) == -1
+        other.rollback()
+    assert roll_up(conn) > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# usage_by_lane_day
+
+STREAM = [
+    {"type": "system", "subtype": "init", "session_id": "agent-1"},
+    {"type": "result", "subtype": "success", "is_error": False, "session_id": "agent-1",
+     "total_cost_usd": 0.75,
+     # the top-level usage leaves the sub-agents out: it must not be what is counted
+     "usage": {"input_tokens": 10, "cache_creation_input_tokens": 20, "cache_read_input_tokens": 30,
+               "output_tokens": 5},
+     "modelUsage": {
+         "claude-sonnet-4-5": {"inputTokens": 1000, "cacheCreationInputTokens": 2000,
+                               "cacheReadInputTokens": 6000, "outputTokens": 500},
+         "claude-haiku-4-5": {"inputTokens": 200, "cacheCreationInputTokens": 0,
+                              "cacheReadInputTokens": 800, "outputTokens": 100}}},
+]
+
+
+def test_usage_by_lane_day_sums_model_usage_per_utc_day(conn: psycopg.Connection) -> None:
+    lane(conn, "a", backoff_base_seconds=0)
+    lane(conn, "b")
+    s = open_session(conn, "a")
+    today = one(conn, "select date_trunc('day', now(), 'UTC')")
+    yesterday = today - timedelta(days=1)
+
+    def ended(token: Any, when: datetime) -> None:
+        set_run(conn, token, f"'{(when - timedelta(minutes=5)).isoformat()}'::timestamptz",
+                f"'{when.isoformat()}'::timestamptz")
+
+    result = parse_result(json.dumps(r) for r in STREAM)
+    report = result.report()
+    assert (report["input_tokens"], report["cache_read_tokens"]) == (1200, 6800)   # not 10 and 30
+    u1 = enqueue(conn, "a", "u1")
+    tok = take(conn, s, u1)["lease_token"]
+    record_run(conn, tok, report)
+    complete(conn, u1, tok)
+    ended(tok, today)
+    u2 = enqueue(conn, "a", "u2")
+    tok = take(conn, s, u2)["lease_token"]
+    record_run(conn, tok, {"input_tokens": 100, "output_tokens": 50, "cost_usd": 0.05})
+    fail(conn, u2, tok)
+    ended(tok, today)
+    u3 = enqueue(conn, "a", "u3")        # routed on: its stage is complete
+    tok = take(conn, s, u3)["lease_token"]
+    record_run(conn, tok, {"input_tokens": 300, "cache_read_tokens": 700, "output_tokens": 100, "cost_usd": 0.2})
+    route(conn, u3, tok, "b")
+    ended(tok, today + timedelta(minutes=1))
+    u4 = enqueue(conn, "a", "u4")
+    tok = take(conn, s, u4)["lease_token"]
+    record_run(conn, tok, {"input_tokens": 50, "cache_creation_tokens": 50, "output_tokens": 10, "cost_usd": 0.01})
+    complete(conn, u4, tok)
+    ended(tok, yesterday + timedelta(hours=1))
+    u5 = enqueue(conn, "a", "u5")        # still running: not counted yet
+    record_run(conn, take(conn, s, u5)["lease_token"], {"input_tokens": 999999, "cost_usd": 9})
+    u6 = enqueue(conn, "a", "u6")        # 31 days ago: out of the window
+    tok = take(conn, s, u6)["lease_token"]
+    record_run(conn, tok, {"input_tokens": 888888, "cost_usd": 8})
+    complete(conn, u6, tok)
+    ended(tok, today - timedelta(days=31))
+
+    want = {
+        ("a", today.date()): {
+            "runs": 3, "completed": 2, "input_tokens": 1600, "cache_creation_tokens": 2000,
+            "cache_read_tokens": 7500, "output_tokens": 750, "total_tokens": 11850,
+            "cache_read_share": Decimal("0.6757"), "cost_usd": Decimal("1.000000"),
+            "cost_per_completed": Decimal("0.500000"), "tokens_per_completed": Decimal("5925.0")},
+        ("a", yesterday.date()): {
+            "runs": 1, "completed": 1, "input_tokens": 50, "cache_creation_tokens": 50,
+            "cache_read_tokens": 0, "output_tokens": 10, "total_tokens": 110,
+            "cache_read_share": Decimal("0.0000"), "cost_usd": Decimal("0.010000"),
+            "cost_per_completed": Decimal("0.010000"), "tokens_per_completed": Decimal("110.0")},
+    }
+
+    def got() -> dict[tuple[str, Any], dict[str, Any]]:
+        return {(r.pop("lane"), r.pop("day")): r for r in view(conn, "usage_by_lane_day")}
+
+    assert got() == want
+    assert [r["day"] for r in view(conn, "usage_by_lane_day")] == [today.date(), yesterday.date()]
+    roll_up(conn)
+    assert got() == want
+    # the session's time zone does not move the days
+    conn.execute("set time zone 'Pacific/Kiritimati'")
+    assert got() == want
+    forget_roll_up(conn)
+    assert got() == want
+
+
+# ------------------------------------------------------------------------------------------------
+# cohort_metrics
+
+
+def test_cohort_metrics_of_a_known_cohort(conn: psycopg.Connection) -> None:
+    lane(conn, "a", max_attempts=2, backoff_base_seconds=0)
+    lane(conn, "b")
+    s = open_session(conn, "a")
+    sb = open_session(conn, "b")
+    t0 = one(conn, "select date_trunc('hour', now(), 'UTC') - interval '2 days'")
+    t1 = t0 + timedelta(days=1)
+
+    def at(minutes: float) -> str:
+        return f"'{(t0 + timedelta(minutes=minutes)).isoformat()}'::timestamptz"
+
+    def made(key: str, lane_name: str = "a", minutes: float = 0) -> int:
+        task_id = enqueue(conn, lane_name, key)
+        conn.execute(f"update fleet.tasks set created_at = {at(minutes)} where id = %s", (task_id,))
+        return task_id
+
+    def finish(task_id: int, minutes: float) -> None:
+        conn.execute(f"update fleet.tasks set finished_at = {at(minutes)} where id = %s", (task_id,))
+
+    tok_cost = {"input_tokens": 100, "cache_creation_tokens": 10, "cache_read_tokens": 1000, "output_tokens": 20,
+                "cost_usd": 0.1}
+    c1 = made("c1")                                   # done: wall 10 min
+    tok = take(conn, s, c1)["lease_token"]
+    record_run(conn, tok, tok_cost)
+    complete(conn, c1, tok)
+    set_run(conn, tok, at(10), at(20))
+    finish(c1, 20)
+    c2 = made("c2")                                   # failed, then done: wall 60 min
+    tok1 = take(conn, s, c2)["lease_token"]
+    record_run(conn, tok1, tok_cost)
+    fail(conn, c2, tok1)
+    tok2 = take(conn, s, c2)["lease_token"]
+    record_run(conn, tok2, tok_cost)
+    complete(conn, c2, tok2)
+    set_run(conn, tok1, at(5), at(6))
+    set_run(conn, tok2, at(30), at(65))
+    finish(c2, 65)
+    c3 = made("c3")                                   # handed off, then done: wall 120 min
+    tok1 = take(conn, s, c3)["lease_token"]
+    hand_off(conn, c3, tok1, {})
+    s2 = open_session(conn, "a")
+    tok2 = take(conn, s2, c3)["lease_token"]
+    complete(conn, c3, tok2)
+    set_run(conn, tok1, at(60), at(90))
+    set_run(conn, tok2, at(100), at(180))
+    finish(c3, 180)
+    c4 = made("c4")                                   # repaired twice: dead at the cap
+    take(conn, s, c4)
+    release(conn, c4, "lease-expired")
+    take(conn, s, c4)
+    release(conn, c4, "lease-expired")
+    conn.execute(f"update fleet.runs set started_at = {at(40)}, ended_at = {at(41)} where task_id = %s", (c4,))
+    finish(c4, 300)                                   # the last finish
+    c5 = made("c5")                                   # cancelled while queued
+    cancel(conn, c5)
+    c6 = made("c6")                                   # dead (fatal), retried by an operator: queued
+    tok = take(conn, s, c6)["lease_token"]
+    fail(conn, c6, tok, retryable=False)
+    retry(conn, c6)
+    set_run(conn, tok, at(2), at(3))
+    c7 = made("c7")                                   # a -> b, done in b: wall 240 min, entered by a
+    tok1 = take(conn, s, c7)["lease_token"]
+    route(conn, c7, tok1, "b")
+    tok2 = take(conn, sb, c7)["lease_token"]
+    record_run(conn, tok2, tok_cost)
+    complete(conn, c7, tok2)
+    set_run(conn, tok1, at(1), at(11))
+    set_run(conn, tok2, at(200), at(241))
+    finish(c7, 241)
+    c8 = made("c8", "b", 30)                          # b only: wall 30 min
+    tok = take(conn, sb, c8)["lease_token"]
+    complete(conn, c8, tok)
+    set_run(conn, tok, at(40), at(70))
+    finish(c8, 70)
+    before = made("c9", "a", -10)                     # queued before the cohort: not in it
+    complete(conn, before, take(conn, s, before)["lease_token"])
+    after = made("c10", "a", 24 * 60)                 # queued at p_to: not in it
+    assert after
+
+    def cohort(lane_name: str | None = None) -> dict[str, Any]:
+        got = rows(conn, "select * from fleet.cohort_metrics(%s, %s, %s)", (t0, t1, lane_name))
+        assert len(got) == 1
+        return got[0]
+
+    everything = cohort()
+    assert everything == {
+        "lane": None, "cohort_from": t0, "cohort_to": t1,
+        "tasks": 8, "completed": 5, "dead": 1, "cancelled": 1, "open": 1,
+        "first_claim_at": t0 + timedelta(minutes=1), "last_finish_at": t0 + timedelta(minutes=300),
+        "makespan_seconds": Decimal("17940.0"),
+        # walls of the done tasks: 10, 60, 120, 240 (c7: since its claim in a), 30 (c8) minutes
+        "wall_p50_seconds": Decimal("3600.0"), "wall_p95_seconds": Decimal("12960.0"),
+        "runs": 11, "attempts_per_task": Decimal("1.38"), "failures": 2, "handoffs": 1, "repairs": 2,
+        "input_tokens": 400, "cache_creation_tokens": 40, "cache_read_tokens": 4000, "output_tokens": 80,
+        "total_tokens": 4520, "cost_usd": Decimal("0.400000"),
+        "tokens_per_completed": Decimal("904.0"), "cost_per_completed": Decimal("0.080000"),
+        "operator_cancels": 1, "operator_retries": 1, "interventions": 2}
+    a = cohort("a")
+    assert pick(a, "lane", "tasks", "completed", "dead", "cancelled", "open", "runs", "failures", "handoffs",
+                "repairs", "total_tokens", "interventions", "wall_p50_seconds") == {
+        "lane": "a", "tasks": 7, "completed": 4, "dead": 1, "cancelled": 1, "open": 1, "runs": 10,
+        "failures": 2, "handoffs": 1, "repairs": 2, "total_tokens": 4520, "interventions": 2,
+        "wall_p50_seconds": Decimal("5400.0")}
+    b = cohort("b")
+    assert pick(b, "tasks", "completed", "runs", "makespan_seconds", "wall_p50_seconds", "total_tokens",
+                "cost_per_completed") == {
+        "tasks": 1, "completed": 1, "runs": 1, "makespan_seconds": Decimal("1800.0"),
+        "wall_p50_seconds": Decimal("1800.0"), "total_tokens": 0, "cost_per_completed": Decimal("0.000000")}
+    empty = cohort("nope")
+    assert pick(empty, "tasks", "completed", "runs", "makespan_seconds", "attempts_per_task",
+                "cost_per_completed", "interventions") == {
+        "tasks": 0, "completed": 0, "runs": 0, "makespan_seconds": None, "attempts_per_task": None,
+        "cost_per_completed": None, "interventions": 0}
+
+
+def test_cohort_metrics_agree_for_recent_and_old_cohorts(conn: psycopg.Connection) -> None:
+    """An old cohort is read task by task, a recent one by range: the same figures either way."""
+    lane(conn, "a", backoff_base_seconds=0)
+    s = open_session(conn, "a")
+    ids = []
+    for i in range(4):
+        t = enqueue(conn, "a", f"o{i}")
+        tok = take(conn, s, t)["lease_token"]
+        if i == 0:
+            fail(conn, t, tok)
+            tok = take(conn, s, t)["lease_token"]
+        record_run(conn, tok, {"input_tokens": 10 * (i + 1), "cost_usd": 0.01})
+        complete(conn, t, tok)
+        ids.append(t)
+    query = "select * from fleet.cohort_metrics(now() - interval '1 hour', now() + interval '1 hour')"
+    recent = rows(conn, query)[0]
+    # the same history, 60 days older
+    for table, cols in (("tasks", ["created_at", "updated_at", "finished_at", "run_at"]),
+                        ("runs", ["started_at", "ended_at"]), ("events", ["ts"])):
+        sets = ", ".join(f"{c} = {c} - interval '60 days'" for c in cols)
+        conn.execute(f"update fleet.{table} set {sets}")
+    old = rows(conn, query.replace("now() -", "now() - interval '60 days' -").replace(
+        "now() +", "now() - interval '60 days' +"))[0]
+    for key in ("cohort_from", "cohort_to", "first_claim_at", "last_finish_at"):
+        recent.pop(key), old.pop(key)
+    assert old == recent
+    assert recent["tasks"] == 4 and recent["runs"] == 5 and recent["input_tokens"] == 100
+
+
+# ------------------------------------------------------------------------------------------------
+# documentation
+
+
+def test_every_view_and_column_is_documented(conn: psycopg.Connection) -> None:
+    for name in VIEWS:
+        assert one(conn, "select obj_description(%s::regclass, 'pg_class')", (f"fleet.{name}",)), name
+        undocumented = [r["attname"] for r in rows(
+            conn, "select a.attname, col_description(a.attrelid, a.attnum) as doc from pg_attribute a"
+                  " where a.attrelid = %s::regclass and a.attnum > 0 and not a.attisdropped",
+            (f"fleet.{name}",)) if not r["doc"]]
+        assert undocumented == [], f"{name}: {undocumented}"
+    for fn in ("fleet.cohort_metrics(timestamptz, timestamptz, text)", "fleet.roll_up_lane_hours(int)",
+               "fleet.lane_hours_between(timestamptz, timestamptz)", "fleet.lane_hours_since(timestamptz)"):
+        assert one(conn, "select obj_description(%s::regprocedure, 'pg_proc')", (fn,)), fn
+    # plain views: the caller's grants and row-level security apply when an operator reads them
+    # through a role; no view is declared security_barrier or with options
+    assert rows(conn, "select relname, reloptions from pg_class where relnamespace = 'fleet'::regnamespace"
+                      " and relkind = 'v' and reloptions is not null") == []
+
+
+# ------------------------------------------------------------------------------------------------
+# plans at a moderate scale
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("views_scale", ROOT / "bench" / "views_scale.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def plan_nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    out = [plan]
+    for child in plan.get("Plans", []):
+        out += plan_nodes(child)
+    return out
+
+
+# the tables that grow with history (fleet.lane_hours holds at most 400 days of lane-hours)
+BIG = {"tasks", "runs", "events", "sessions", "lane_handoffs"}
+PLANS = {
+    # query: indexes its time window (or live rows) must be read through
+    "select * from fleet.lane_overview": {"tasks_ready", "tasks_running_lane|tasks_lane_state",
+                                          "events_kind_ts|events_ts", "sessions_active_lane|sessions_active_host"},
+    "select * from fleet.stuck_tasks": {"tasks_running_lease|tasks_running_session|tasks_running_lane"},
+    "select * from fleet.session_overview": {"sessions_started", "runs_session"},
+    "select * from fleet.recent_repairs": {"events_kind_ts"},
+    "select * from fleet.dead_letters": {"tasks_dead"},
+    "select * from fleet.throughput_hourly": {"runs_ended", "tasks_created", "events_kind_ts"},
+    "select * from fleet.usage_by_lane_day": {"runs_ended"},
+    "select * from fleet.cohort_metrics(now() - interval '7 days', now())": {"tasks_created", "runs_started"},
+    "select * from fleet.cohort_metrics(now() - interval '200 days', now() - interval '193 days')":
+        {"tasks_created", "runs_task"},
+}
+
+
+@pytest.fixture
+def moderate(conn: psycopg.Connection) -> psycopg.Connection:
+    """5,000 tasks and about 50,000 events over a year (the bench's generator, scaled down)."""
+    bench = _bench()
+    t_end = bench.build_live(conn, 5000, slot=6 * 3600)
+    bench.build_history(conn, 5000, 50_000, 365, t_end, slot=6 * 3600, say=lambda _: None)
+    assert 45_000 <= one(conn, "select count(*) from fleet.events") <= 55_000
+    return conn
+
+
+def test_views_read_their_windows_through_indexes(moderate: psycopg.Connection) -> None:
+    conn = moderate
+
+    def check(stage: str) -> None:
+        for query, wanted in PLANS.items():
+            plan = one(conn, f"explain (format json) {query}")[0]["Plan"]
+            nodes = plan_nodes(plan)
+            seq = sorted({n["Relation Name"] for n in nodes if n["Node Type"] == "Seq Scan"} & BIG)
+            assert seq == [], f"{stage}: {query} scans {seq} sequentially"
+            used = {n["Index Name"] for n in nodes if "Index Name" in n}
+            for alternatives in wanted:
+                assert used & set(alternatives.split("|")), f"{stage}: {query} uses {sorted(used)}, not {alternatives}"
+
+    check("live")                        # nothing rolled up: the whole 30 days computed live
+    assert roll_up(conn) > 0
+    check("rolled up")
