@@ -38,7 +38,7 @@ from rich.text import Text
 from worker.cli import JsonOpt, console, rt
 from worker.config import parse_duration
 from worker.errors import DatabaseUnavailable, FleetError, InvalidInput, UnknownLane
-from worker.store import PostgresStore, translate
+from worker.store import PostgresStore, load_queries, translate
 
 QUERIES = Path(__file__).with_name("queries.sql")
 VIEW_DAYS = 30  # what throughput_hourly and usage_by_lane_day keep
@@ -46,20 +46,8 @@ VIEW_DAYS = 30  # what throughput_hourly and usage_by_lane_day keep
 
 @functools.cache
 def queries() -> dict[str, str]:
-    """The named queries of ``monitor/queries.sql`` (same format as ``worker/queries.sql``), loaded once."""
-    out: dict[str, str] = {}
-    name: str | None = None
-    body: list[str] = []
-    for line in QUERIES.read_text().splitlines():
-        if line.startswith("-- name:"):
-            if name:
-                out[name] = "\n".join(body).strip()
-            name, body = line.split(":", 1)[1].strip(), []
-        elif name and not line.startswith("--"):
-            body.append(line)
-    if name:
-        out[name] = "\n".join(body).strip()
-    return out
+    """The named queries of ``monitor/queries.sql``, loaded once."""
+    return load_queries(QUERIES)
 
 
 class Reader:
@@ -80,6 +68,17 @@ class Reader:
         value = self.one("clock")["now"]
         assert isinstance(value, datetime)
         return value
+
+
+def dashboard_store(ctx: typer.Context) -> PostgresStore:
+    """The dashboards read the views in one transaction over a database connection."""
+    store = rt(ctx).store()
+    if not isinstance(store, PostgresStore):
+        raise InvalidInput(
+            "the dashboards need a database connection (DATABASE_URL); over Supabase's API, read "
+            "the views (fleet.lane_overview, …) with an operator key, or in the SQL editor"
+        )
+    return store
 
 
 def roll_up(store: PostgresStore) -> None:
@@ -901,7 +900,7 @@ def status(
     every = parse_window(interval, "--interval")
     if watch and as_json:
         raise InvalidInput("--watch and --json exclude each other (use `fleet snapshot` in a loop)")
-    store = rt(ctx).store()
+    store = dashboard_store(ctx)
     check_lane(store, lane)
 
     def fetch() -> dict[str, Any]:
@@ -940,7 +939,7 @@ def stats(
     if seconds > VIEW_DAYS * 86400:
         raise InvalidInput(f"--since {since}: at most {VIEW_DAYS}d (usage_by_lane_day keeps the last "
                            f"{VIEW_DAYS} days; for older cohorts call fleet.cohort_metrics() in SQL)")
-    store = rt(ctx).store()
+    store = dashboard_store(ctx)
     check_lane(store, lane)
     roll_up(store)
     with reading(store) as r:
@@ -961,7 +960,7 @@ def snapshot(
     seconds = parse_window(since, "--since")
     if seconds > VIEW_DAYS * 86400:
         raise InvalidInput(f"--since {since}: at most {VIEW_DAYS}d (the views keep the last {VIEW_DAYS} days)")
-    store = rt(ctx).store()
+    store = dashboard_store(ctx)
     roll_up(store)
     with reading(store) as r:
         data = snapshot_data(r, seconds, limit)
@@ -976,7 +975,7 @@ def report(
 ) -> None:
     """A self-contained HTML report with charts (no network needed to view it)."""
     seconds = parse_window(since, "--since")
-    store = rt(ctx).store()
+    store = dashboard_store(ctx)
     check_lane(store, lane)
     roll_up(store)
     with reading(store) as r:

@@ -46,14 +46,12 @@ from worker.errors import (
 from worker.models import Event, LaneHandoff, RepairAction, Run, Task
 
 
-@functools.cache
-def queries() -> dict[str, str]:
-    """The named queries of ``queries.sql``, loaded once."""
-    text = (Path(__file__).parent / "queries.sql").read_text()
+def load_queries(path: Path) -> dict[str, str]:
+    """Named queries of a ``.sql`` file: ``-- name: <name>`` and a description, then the statement."""
     out: dict[str, str] = {}
     name: str | None = None
     body: list[str] = []
-    for line in text.splitlines():
+    for line in path.read_text().splitlines():
         if line.startswith("-- name:"):
             if name:
                 out[name] = "\n".join(body).strip()
@@ -63,6 +61,12 @@ def queries() -> dict[str, str]:
     if name:
         out[name] = "\n".join(body).strip()
     return out
+
+
+@functools.cache
+def queries() -> dict[str, str]:
+    """The named queries of ``worker/queries.sql``, loaded once."""
+    return load_queries(Path(__file__).parent / "queries.sql")
 
 
 def lane_settings(lane: LaneConfig) -> dict[str, Any]:
@@ -134,7 +138,43 @@ class _Transient(Exception):
     """A connection failure that is safe to retry."""
 
 
-class PostgresStore:
+class NamedReads:
+    """The typed reads, on top of a store's ``query(name, **params)`` (the named queries of
+    worker/queries.sql; the Supabase store answers the same names over REST)."""
+
+    def query(self, name: str, **params: Any) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def get_task(self, ref: int | str) -> Task:
+        """A task by id (an int, or a string of digits) or by key."""
+        if isinstance(ref, int) or ref.isdigit():
+            rows = self.query("task_by_id", id=int(ref))
+            if not rows and isinstance(ref, str):
+                rows = self.query("task_by_key", key=ref)
+        else:
+            rows = self.query("task_by_key", key=ref)
+        if not rows:
+            raise UnknownTask(f"no task with id or key {ref!r}")
+        return Task.model_validate(rows[0])
+
+    def list_tasks(self, lane: str | None = None, state: str | None = None, limit: int = 50) -> list[Task]:
+        return [Task.model_validate(r) for r in self.query("list_tasks", lane=lane, state=state, limit=limit)]
+
+    def task_events(self, task: int) -> list[Event]:
+        return [Event.model_validate(r) for r in self.query("task_events", id=task)]
+
+    def task_runs(self, task: int) -> list[Run]:
+        return [Run.model_validate(r) for r in self.query("task_runs", id=task)]
+
+    def last_lane_handoff(self, lane: str) -> LaneHandoff | None:
+        rows = self.query("last_lane_handoff", lane=lane)
+        return LaneHandoff.model_validate(rows[0]) if rows else None
+
+    def lane_names(self) -> list[str]:
+        return [str(r["name"]) for r in self.query("list_lanes")]
+
+
+class PostgresStore(NamedReads):
     """The store over a direct connection (psycopg 3 + pool)."""
 
     def __init__(self, url: str, *, pooler: bool = False, min_size: int = 1, max_size: int = 8,
@@ -294,31 +334,3 @@ class PostgresStore:
     def query(self, name: str, **params: Any) -> list[dict[str, Any]]:
         """Run a named query of queries.sql."""
         return self._run(queries()[name], params)
-
-    def get_task(self, ref: int | str) -> Task:
-        """A task by id (an int, or a string of digits) or by key."""
-        if isinstance(ref, int) or ref.isdigit():
-            rows = self.query("task_by_id", id=int(ref))
-            if not rows and isinstance(ref, str):
-                rows = self.query("task_by_key", key=ref)
-        else:
-            rows = self.query("task_by_key", key=ref)
-        if not rows:
-            raise UnknownTask(f"no task with id or key {ref!r}")
-        return Task.model_validate(rows[0])
-
-    def list_tasks(self, lane: str | None = None, state: str | None = None, limit: int = 50) -> list[Task]:
-        return [Task.model_validate(r) for r in self.query("list_tasks", lane=lane, state=state, limit=limit)]
-
-    def task_events(self, task: int) -> list[Event]:
-        return [Event.model_validate(r) for r in self.query("task_events", id=task)]
-
-    def task_runs(self, task: int) -> list[Run]:
-        return [Run.model_validate(r) for r in self.query("task_runs", id=task)]
-
-    def last_lane_handoff(self, lane: str) -> LaneHandoff | None:
-        rows = self.query("last_lane_handoff", lane=lane)
-        return LaneHandoff.model_validate(rows[0]) if rows else None
-
-    def lane_names(self) -> list[str]:
-        return [str(r["name"]) for r in self.query("list_lanes")]

@@ -43,9 +43,9 @@ from worker.errors import (
     FleetError,
     InvalidInput,
     MigrationError,
-    UnknownTask,
 )
-from worker.models import Event, LaneHandoff, RepairAction, Run, Task
+from worker.models import RepairAction, Task
+from worker.store import NamedReads
 
 
 class AccessDenied(FleetError):
@@ -74,7 +74,7 @@ def _times(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-class SupabaseStore:
+class SupabaseStore(NamedReads):
     """The store over PostgREST (supabase-py)."""
 
     def __init__(self, url: str, anon_key: str, key: str, *, attempts: int = 5, timeout: float = 10.0,
@@ -330,31 +330,3 @@ class SupabaseStore:
                              idempotent=True)
             return [{"n": res.count or 0}]
         raise FleetError(f"the named query {name!r} has no REST equivalent in the supabase store")
-
-    def get_task(self, ref: int | str) -> Task:
-        """A task by id (an int, or a string of digits) or by key (only the key's lanes)."""
-        if isinstance(ref, int) or ref.isdigit():
-            rows = self.query("task_by_id", id=int(ref))
-            if not rows and isinstance(ref, str):
-                rows = self.query("task_by_key", key=ref)
-        else:
-            rows = self.query("task_by_key", key=ref)
-        if not rows:
-            raise UnknownTask(f"no task with id or key {ref!r}")
-        return Task.model_validate(rows[0])
-
-    def list_tasks(self, lane: str | None = None, state: str | None = None, limit: int = 50) -> list[Task]:
-        return [Task.model_validate(r) for r in self.query("list_tasks", lane=lane, state=state, limit=limit)]
-
-    def task_events(self, task: int) -> list[Event]:
-        return [Event.model_validate(r) for r in self.query("task_events", id=task)]
-
-    def task_runs(self, task: int) -> list[Run]:
-        return [Run.model_validate(r) for r in self.query("task_runs", id=task)]
-
-    def last_lane_handoff(self, lane: str) -> LaneHandoff | None:
-        rows = self.query("last_lane_handoff", lane=lane)
-        return LaneHandoff.model_validate(rows[0]) if rows else None
-
-    def lane_names(self) -> list[str]:
-        return [str(r["name"]) for r in self.query("list_lanes")]
