@@ -9,7 +9,6 @@ within one pass instead of after a heartbeat timeout or a lease.
 from __future__ import annotations
 
 import socket
-from datetime import datetime
 from uuid import UUID
 
 from worker.config import FleetConfig
@@ -19,30 +18,12 @@ from worker.proc import process_start_time
 from worker.store import PostgresStore
 
 
-def _running_since(pid: int) -> datetime | None:
-    """When the live process ``pid`` started, or None if there is none.
-
-    A zombie (state Z, or X) has exited already: it only waits for its parent to reap it, which
-    a parent such as ``fleet run`` may not do until later. Its /proc entry, start time included,
-    stays until then, so it must not pass for the live shift.
-    """
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
-        state = stat[stat.rindex(")") + 2:].split()[0]
-    except (OSError, ValueError, IndexError):
-        return None
-    if state in ("Z", "X", "x"):
-        return None
-    return process_start_time(pid)
-
-
 def host_checks(store: PostgresStore, host: str | None = None) -> list[RepairAction]:
     """Declare lost the active sessions of this host whose process is gone or was replaced."""
     host = host or socket.gethostname()
     actions: list[RepairAction] = []
     for row in store.query("active_sessions_on_host", host=host):
-        started = _running_since(int(row["pid"]))
+        started = process_start_time(int(row["pid"]))
         if started is None:
             reason = "pid-gone"
         elif row["pid_started_at"] is not None and abs(

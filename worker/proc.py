@@ -15,23 +15,19 @@ def _boot_time() -> float:
 
 
 def process_start_time(pid: int) -> datetime | None:
-    """When process ``pid`` started (to the clock tick), or None if there is no such process."""
+    """When the live process ``pid`` started (to the clock tick), or None if there is none.
+
+    A zombie (state Z or X) has exited already and only waits for its parent to reap it — which
+    a parent such as ``fleet run`` may do later — so it counts as gone, not as the process.
+    """
     try:
         with open(f"/proc/{pid}/stat") as fh:
             stat = fh.read()
         # the command name may contain spaces and parentheses: fields resume after the last ')'
         fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] in ("Z", "X", "x"):
+            return None
         ticks = int(fields[19])  # field 22 of proc(5), counted from field 3
         return datetime.fromtimestamp(_boot_time() + ticks / os.sysconf("SC_CLK_TCK"), UTC)
     except (OSError, ValueError, IndexError):
         return None
-
-
-def same_process(pid: int, started_at: datetime | None, tolerance: float = 1.0) -> bool:
-    """True if ``pid`` is alive and (when ``started_at`` is known) started at that time."""
-    now_start = process_start_time(pid)
-    if now_start is None:
-        return False
-    if started_at is None:
-        return True
-    return abs((now_start - started_at).total_seconds()) <= tolerance
