@@ -22,6 +22,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any, TypeVar
 
+import fleetkit
 import psycopg
 import pytest
 from fleetkit import Backend
@@ -65,14 +66,8 @@ def write_config(tmp: Path, lanes: dict[str, dict[str, Any]], **fleet: Any) -> P
 
 
 def wait_for(what: str, fn: Callable[[], T], timeout: float = 15.0, every: float = 0.05) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {value!r})")
-        time.sleep(every)
+    """fleetkit's wait_for with a longer default: these tests start whole shifts."""
+    return fleetkit.wait_for(what, fn, timeout, every)
 
 
 def alive(pid: int) -> bool:
