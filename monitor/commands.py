@@ -26,9 +26,8 @@ from worker.models import RepairAction
 from worker.runtime import Runtime
 
 
-def _duration(value: str | None, flag: str) -> float | None:
-    if value is None:
-        return None
+def flag_duration(value: str, flag: str) -> float:
+    """Seconds from a duration flag (30s, 5m, 7d); a bad one is one line naming the flag."""
     try:
         return parse_duration(value)
     except ValueError as exc:
@@ -51,7 +50,7 @@ def monitor(
     as_json: JsonOpt = False,
 ) -> None:
     """Repair evaporated claims and report stalls and idle capacity (one pass, or --every)."""
-    interval = _duration(every, "--every")
+    interval = flag_duration(every, "--every") if every is not None else None
     if once and interval:
         raise InvalidInput("--once and --every exclude each other")
     r = rt(ctx)
@@ -95,7 +94,7 @@ def run(
 
     r = rt(ctx)
     configure_logging()
-    limit = _duration(duration, "--for")
+    limit = flag_duration(duration, "--for") if duration is not None else None
     chosen = lanes or sorted(r.cfg.lanes)
     for name in chosen:
         r.cfg.lane(name)

@@ -35,8 +35,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from monitor.commands import flag_duration
 from worker.cli import JsonOpt, console, rt
-from worker.config import parse_duration
 from worker.errors import DatabaseUnavailable, FleetError, InvalidInput, UnknownLane
 from worker.store import PostgresStore, load_queries, translate
 
@@ -133,13 +133,6 @@ def dump(data: Any, *, pretty: bool = True) -> str:
 
 
 # -- options
-
-
-def parse_window(value: str, flag: str) -> float:
-    try:
-        return parse_duration(value)
-    except ValueError as exc:
-        raise InvalidInput(f"{flag}: {exc}") from None
 
 
 def check_lane(store: PostgresStore, lane: str | None) -> None:
@@ -897,7 +890,7 @@ def status(
     as_json: JsonOpt = False,
 ) -> None:
     """The fleet at a glance: lanes, stuck tasks, active shifts, recent repairs."""
-    every = parse_window(interval, "--interval")
+    every = flag_duration(interval, "--interval")
     if watch and as_json:
         raise InvalidInput("--watch and --json exclude each other (use `fleet snapshot` in a loop)")
     store = dashboard_store(ctx)
@@ -935,7 +928,7 @@ def stats(
     as_json: JsonOpt = False,
 ) -> None:
     """Usage and cost per lane and day, and the cohort figures of the tasks queued in the window."""
-    seconds = parse_window(since, "--since")
+    seconds = flag_duration(since, "--since")
     if seconds > VIEW_DAYS * 86400:
         raise InvalidInput(f"--since {since}: at most {VIEW_DAYS}d (usage_by_lane_day keeps the last "
                            f"{VIEW_DAYS} days; for older cohorts call fleet.cohort_metrics() in SQL)")
@@ -957,7 +950,7 @@ def snapshot(
     pretty: Annotated[bool, typer.Option("--pretty", help="indent the JSON (default: one line, for a log)")] = False,
 ) -> None:
     """One JSON document of every dashboard (one line: append it to a log daily)."""
-    seconds = parse_window(since, "--since")
+    seconds = flag_duration(since, "--since")
     if seconds > VIEW_DAYS * 86400:
         raise InvalidInput(f"--since {since}: at most {VIEW_DAYS}d (the views keep the last {VIEW_DAYS} days)")
     store = dashboard_store(ctx)
@@ -974,7 +967,7 @@ def report(
     lane: LaneOpt = None,
 ) -> None:
     """A self-contained HTML report with charts (no network needed to view it)."""
-    seconds = parse_window(since, "--since")
+    seconds = flag_duration(since, "--since")
     store = dashboard_store(ctx)
     check_lane(store, lane)
     roll_up(store)
