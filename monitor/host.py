@@ -16,12 +16,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 
 from worker.config import FleetConfig, cron_trigger
+from worker.errors import ConfigError
 
 log = structlog.get_logger("lanefleet.host")
 
@@ -95,16 +97,39 @@ class ShiftLauncher:
 
 
 def shift_env(cfg: FleetConfig, url: str | None, config_path: Path | None) -> dict[str, str]:
-    """The environment of a launched shift: the same database (None: the Supabase store, whose
-    settings come from the config and the environment) and config as this host."""
+    """The environment of a launched shift: the same database and config as this host.
+
+    ``url`` None: the Supabase store, whose settings come from the config and the environment; the
+    shift then gets the host's worker key (``[supabase] worker_key`` or FLEET_WORKER_KEY) as its
+    fleet key, since this host's own key is an operator's (its monitor passes repair other
+    sessions' tasks, which no worker key may do)."""
     env = dict(os.environ)
     if url is not None:
         env["DATABASE_URL"] = url
+    else:
+        env["FLEET_SUPABASE__KEY"] = worker_key(cfg, env)
     if config_path is not None:
         env["FLEET_CONFIG"] = str(config_path.resolve())
     elif cfg.source is not None:
         env["FLEET_CONFIG"] = str(cfg.source)
     return env
+
+
+def worker_key(cfg: FleetConfig, environ: Mapping[str, str]) -> str:
+    """The worker key a host hands the shifts it launches on the Supabase store; a clear error when
+    there is none or it is not a worker's."""
+    from worker.keys import describe_key
+
+    key = cfg.supabase.worker_key or environ.get("FLEET_WORKER_KEY")
+    if not key:
+        raise ConfigError("`fleet run` on the supabase store needs [supabase] worker_key (or FLEET_WORKER_KEY): "
+                          "the worker key its shifts use; [supabase] key (or FLEET_KEY) is the operator key of its monitor",
+                          "mint one with `fleet keys mint --role worker --lane L ...`")
+    role = describe_key(key, environ).get("role")
+    if role != "fleet_worker":
+        raise ConfigError(f"[supabase] worker_key (or FLEET_WORKER_KEY) is a key for role {role!r}, not fleet_worker",
+                          "mint one with `fleet keys mint --role worker --lane L ...`")
+    return key
 
 
 def crontab_lines(cfg: FleetConfig, *, fleet_bin: str, workdir: Path, config: Path | None,

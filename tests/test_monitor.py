@@ -137,8 +137,8 @@ class Fleet:
         return self.spawn("shift", "--lane", lane, "--max-seconds", "60", "--poll", "0.1", *args,
                           log=f"shift-{lane}.log", role="worker")
 
-    def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "monitor.cli", *args], cwd=ROOT, env=self.env(),
+    def cli(self, *args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "monitor.cli", *args], cwd=ROOT, env=env or self.env(),
                               capture_output=True, text=True, timeout=timeout)
 
     def sql(self, query: str, params: Any = ()) -> list[dict[str, Any]]:
@@ -341,9 +341,15 @@ def test_fleet_monitor_json_and_refusals(make_fleet):
 # fleet run
 
 
-# postgres only: `fleet run` hands its one fleet key to its monitor passes (an operator's calls) and
-# to the shifts it launches (a worker's), and no supabase key may do both
-@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+def run_env(fleet: Fleet) -> dict[str, str]:
+    """`fleet run`'s environment: on supabase an operator key for its monitor passes and a worker
+    key (FLEET_WORKER_KEY) for the shifts it launches."""
+    env = fleet.env("operator")
+    if fleet.worker_key is not None:
+        env["FLEET_WORKER_KEY"] = fleet.worker_key
+    return env
+
+
 def test_fleet_run_launches_shifts_on_cron_and_never_past_max_shifts(make_fleet):
     fleet = make_fleet(
         # short shifts (about 2 s of work): a lane's next shift may start only after the last ended
@@ -353,7 +359,7 @@ def test_fleet_run_launches_shifts_on_cron_and_never_past_max_shifts(make_fleet)
     )
     ids = fleet.enqueue("docs", 1, HANG) + fleet.enqueue("bugfix", 1, HANG)
     err = (fleet.tmp / "run.err").open("wb")
-    run = subprocess.Popen([sys.executable, "-m", "monitor.cli", "run"], cwd=ROOT, env=fleet.env(),
+    run = subprocess.Popen([sys.executable, "-m", "monitor.cli", "run"], cwd=ROOT, env=run_env(fleet),
                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err)
     err.close()
     fleet.procs.append(run)
@@ -397,10 +403,24 @@ def test_fleet_run_launches_shifts_on_cron_and_never_past_max_shifts(make_fleet)
 def test_fleet_run_for_a_duration(make_fleet):
     fleet = make_fleet({"docs": lane(cron="0 0 1 1 *")})  # never due during the test
     started = time.monotonic()
-    done = fleet.cli("run", "--for", "1s")
+    done = fleet.cli("run", "--for", "1s", env=run_env(fleet))
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"launched": {}, "max_concurrent": {}}
     assert time.monotonic() - started < 20
+
+
+@pytest.mark.parametrize("backend", ["supabase"], indirect=True)
+def test_fleet_run_on_supabase_refuses_without_a_worker_key_for_its_shifts(make_fleet):
+    fleet = make_fleet({"docs": lane(cron="*/2 * * * * *")})
+    env = fleet.env("operator")
+    missing = fleet.cli("run", "--for", "1s", env=env)
+    env["FLEET_WORKER_KEY"] = fleet.operator_key
+    wrong = fleet.cli("run", "--for", "1s", env=env)
+
+    assert missing.returncode == 1 and "FLEET_WORKER_KEY" in missing.stderr, missing.stderr
+    assert "Traceback" not in missing.stderr
+    assert wrong.returncode == 1 and "'fleet_operator', not fleet_worker" in wrong.stderr, wrong.stderr
+    assert fleet.sql("select count(*) as n from fleet.sessions")[0]["n"] == 0
 
 
 # ------------------------------------------------------------------------------------------------

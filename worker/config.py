@@ -60,6 +60,9 @@ class SupabaseConfig(_Strict):
     url: str | None = None  # the project URL (env SUPABASE_URL)
     anon_key: str | None = None  # the project's anon key, sent as `apikey` (env SUPABASE_ANON_KEY)
     key: str | None = None  # this host's fleet key, a JWT from `fleet keys mint` (env FLEET_KEY)
+    # `fleet run` only: the worker key the shifts it launches use (env FLEET_WORKER_KEY), while its
+    # monitor passes use `key`, which must then be an operator key
+    worker_key: str | None = None
 
 
 class FleetSection(_Strict):
