@@ -12,7 +12,7 @@ import typer
 from rich.markup import escape
 
 from monitor import commands as monitor_commands
-from monitor import dashboards
+from monitor import dashboards, workspaces_cli
 from worker import cli as worker_cli
 from worker.errors import FleetError
 
@@ -22,6 +22,7 @@ app.callback()(worker_cli.root_callback)
 worker_cli.register(app)
 monitor_commands.register(app)
 dashboards.register(app)
+workspaces_cli.register(app)
 
 
 def main() -> None:

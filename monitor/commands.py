@@ -46,7 +46,7 @@ def monitor(
     ctx: typer.Context,
     once: Annotated[bool, typer.Option("--once", help="one pass, then exit (the default)")] = False,
     every: Annotated[str | None, typer.Option("--every", help="loop: a pass every 30s, 1m, ...")] = None,
-    no_local: Annotated[bool, typer.Option("--no-local", help="skip this host's pid checks")] = False,
+    no_local: Annotated[bool, typer.Option("--no-local", help="skip this host's pid checks and workspace reaping")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Repair evaporated claims and report stalls and idle capacity (one pass, or --every)."""

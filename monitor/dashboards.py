@@ -155,6 +155,9 @@ def status_data(r: Reader, lane: str | None = None, repairs: int = 10) -> dict[s
         "as_of": r.now(),
         "lanes": r.rows("lane_overview", lane=lane),
         "stuck": r.rows("stuck_tasks", lane=lane),
+        "blocked": r.rows("blocked_tasks", lane=lane),
+        "attention": r.rows("attention_tasks", lane=lane),
+        "pools": r.rows("pool_overview"),
         "sessions": r.rows("active_sessions", lane=lane),
         "repairs": r.rows("recent_repairs", lane=lane, limit=repairs),
     }
@@ -287,6 +290,36 @@ def render_status(data: dict[str, Any]) -> RenderableType:
         parts.append(stuck)
     else:
         parts.append(Text("stuck tasks: none", style="green"))
+
+    if data.get("blocked"):
+        blocked = Table("task", "lane", "key", "why", "tier", "profile", "blocked", "evidence",
+                        title="blocked tasks: `fleet resume TASK` re-runs the gate, `fleet retry TASK` the agent",
+                        title_justify="left", title_style="bold yellow")
+        for row in data["blocked"]:
+            evidence = (row["evidence"] or "").strip().splitlines()
+            blocked.add_row(str(row["id"]), row["lane"], escape(row["key"]), row["block_reason"],
+                            row["tier"] or "", row["profile"] or "", _ago(now, row["blocked_at"]),
+                            escape(evidence[-1][:80] if evidence else ""))
+        parts.append(blocked)
+
+    if data.get("attention"):
+        waiting = Table("task", "lane", "key", "waits for", "since", "host:pid",
+                        title="needs attention (an agent waits on a question or a permission prompt)",
+                        title_justify="left", title_style="bold yellow")
+        for row in data["attention"]:
+            waiting.add_row(str(row["id"]), row["lane"], escape(row["key"]), escape(row["attention"] or ""),
+                            _ago(now, row["attention_at"]), f"{escape(row['host'])}:{row['pid']}")
+        parts.append(waiting)
+
+    if data.get("pools"):
+        pools = Table("pool", "slots", "in use", "throttled until", "throttles today", "spill-overs today",
+                      "profiles", title="capacity pools", title_justify="left")
+        for row in data["pools"]:
+            until = row["throttled_until"]
+            pools.add_row(row["pool"], "∞" if row["slots"] is None else str(row["slots"]), str(row["in_use"]),
+                          f"[red]{until:%Y-%m-%d %H:%M:%S}[/]" if until else "—", _red(row["throttles_today"]),
+                          str(row["spillovers_today"]), escape(row["profiles"] or ""))
+        parts.append(pools)
 
     if data["sessions"]:
         sessions = Table("session", "lane", "host:pid", "age", "deadline in", "heartbeat", "holds",

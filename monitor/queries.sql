@@ -15,6 +15,22 @@ select * from fleet.stuck_tasks
  where (%(lane)s::text is null or lane = %(lane)s)
  order by stage_started_at, task_id;
 
+-- name: blocked_tasks
+-- Tasks waiting for an operator (fleet resume / fleet retry), oldest first.
+select * from fleet.blocked_tasks
+ where (%(lane)s::text is null or lane = %(lane)s)
+ order by blocked_at, id;
+
+-- name: attention_tasks
+-- Running agents waiting on a question or a permission prompt.
+select * from fleet.attention_tasks
+ where (%(lane)s::text is null or lane = %(lane)s)
+ order by attention_at, id;
+
+-- name: pool_overview
+-- Capacity pools: slots, in use, throttled until, throttles and spill-overs today.
+select * from fleet.pool_overview order by pool;
+
 -- name: active_sessions
 -- Active sessions, newest first.
 select * from fleet.session_overview

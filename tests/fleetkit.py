@@ -30,7 +30,7 @@ from worker.config import FleetConfig, load_config
 from worker.devstack import DevStack
 from worker.keys import mint_key
 from worker.shift import Shift, ShiftSummary
-from worker.store import PostgresStore, lane_settings
+from worker.store import PostgresStore, sync_config
 from worker.supabase_store import SupabaseStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +81,8 @@ def _toml_value(v: Any) -> str:
         return json.dumps(str(v))
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return repr(v)
 
 
@@ -93,8 +95,15 @@ def lane_defaults(**overrides: Any) -> dict[str, Any]:
     return base
 
 
-def write_fleet_toml(path: Path, workspaces: Path, lanes: dict[str, dict[str, Any]]) -> Path:
+def write_fleet_toml(path: Path, workspaces: Path, lanes: dict[str, dict[str, Any]],
+                     tables: dict[str, dict[str, dict[str, Any]]] | None = None) -> Path:
+    """``tables``: other named tables, e.g. {"pools": {"max": {"slots": 1}}, "profiles": {...}}."""
     lines = ["[fleet]", f"workspaces = {_toml_value(workspaces)}", ""]
+    for section, named in (tables or {}).items():
+        for name, settings in named.items():
+            lines.append(f"[{section}.{name}]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in settings.items()]
+            lines.append("")
     for name, settings in lanes.items():
         lines.append(f"[lanes.{name}]")
         lines += [f"{k} = {_toml_value(v)}" for k, v in settings.items()]
@@ -125,13 +134,14 @@ class Fleet:
     tmp: Path
     lanes: dict[str, dict[str, Any]]
     key_lanes: list[str] | None = None
+    tables: dict[str, dict[str, dict[str, Any]]] | None = None  # pools, profiles
     cfg: FleetConfig = field(init=False)
     store: PostgresStore = field(init=False)
     toml: Path = field(init=False)
 
     def __post_init__(self) -> None:
         self.workspaces = self.tmp / "ws"
-        self.toml = write_fleet_toml(self.tmp / "fleet.toml", self.workspaces, self.lanes)
+        self.toml = write_fleet_toml(self.tmp / "fleet.toml", self.workspaces, self.lanes, self.tables)
         # lane_instructions/<lane>.md beside the config: found before the packaged ones
         (self.tmp / "lane_instructions").mkdir(exist_ok=True)
         for name in self.lanes:
@@ -139,8 +149,7 @@ class Fleet:
                 f"# Lane: {name}\n\n{self.instructions_marker(name)}: do the task.\n")
         self.cfg = load_config(self.toml, environ={"DATABASE_URL": self.db_url})
         self.direct = PostgresStore(self.db_url, max_size=4)
-        for name, lane in self.cfg.lanes.items():
-            self.direct.sync_lane(name, lane_settings(lane))
+        sync_config(self.direct, self.cfg)
         self.worker_key = self.backend.key("worker", self.key_lanes or list(self.lanes))
         self.operator_key = self.backend.key("operator")
         self.store = self.backend.store(self.worker_key) if self.backend.rest else self.direct

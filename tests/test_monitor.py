@@ -31,7 +31,7 @@ from psycopg.rows import dict_row
 from monitor.reconcile import host_checks, monitor_pass
 from worker.config import FleetConfig, cron_trigger, load_config
 from worker.proc import process_start_time
-from worker.store import PostgresStore, lane_settings
+from worker.store import PostgresStore, sync_config
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT = ["python", "-m", "worker.example_agent", "{prompt_file}"]
@@ -109,8 +109,7 @@ class Fleet:
         self.toml = write_config(tmp, lanes, **fleet)
         self.cfg: FleetConfig = load_config(self.toml, environ={"DATABASE_URL": self.db_url})
         self.direct = PostgresStore(self.db_url, min_size=1, max_size=3)
-        for name, lane in self.cfg.lanes.items():
-            self.direct.sync_lane(name, lane_settings(lane))
+        sync_config(self.direct, self.cfg)
         self.operator_key = backend.key("operator")
         self.worker_key = backend.key("worker", list(lanes))
         self.store = backend.store(self.operator_key) if backend.rest else self.direct

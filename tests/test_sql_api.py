@@ -724,12 +724,13 @@ def test_heartbeat_of_an_inactive_session_is_refused(conn, lane, session, how):
 def test_checkpoint_increments_seq_and_records_progress(conn, lane, session):
     task_id = enqueue(conn, lane, "k")
     t = claim_one(conn, session)
-    assert task(conn, task_id)["last_progress_at"] is None
+    claimed_at = task(conn, task_id)["last_progress_at"]
+    assert claimed_at is not None, "an attempt's progress clock starts at its claim"
     assert checkpoint(conn, task_id, t["lease_token"], {"step": 1}) == 1
     after = task(conn, task_id)
     assert after["checkpoint"] == {"step": 1}
     assert after["checkpoint_seq"] == 1
-    assert after["last_progress_at"] is not None
+    assert after["last_progress_at"] > claimed_at
     assert checkpoint(conn, task_id, t["lease_token"], {"step": 2}) == 2
     assert task(conn, task_id)["checkpoint"] == {"step": 2}
     assert kinds(conn, task_id) == ["enqueued", "claimed", "checkpoint", "checkpoint"]
@@ -786,7 +787,7 @@ def test_complete(conn, lane, session):
     assert run["outcome"] == "done" and run["ended_at"] is not None
     assert kinds(conn, task_id) == ["enqueued", "claimed", "completed"]
     ev = last_event(conn, task_id)
-    assert ev["session_id"] == session and ev["detail"] == {"attempt": 1}
+    assert ev["session_id"] == session and ev["detail"] == {"attempt": 1, "state": "done"}
 
 
 def test_complete_twice_is_lease_lost(conn, lane, session):

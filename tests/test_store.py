@@ -113,7 +113,7 @@ def _route_refused(s: PostgresStore) -> None:
     (_lease_lost, LeaseLost, "LF001", "lease lost"),
     (_unknown_lane, UnknownLane, "LF002", "unknown lane 'nope'"),
     (_unknown_task, UnknownTask, "LF003", "unknown task 1000000000"),
-    (_invalid_state, InvalidState, "LF004", "only dead or cancelled tasks can be retried"),
+    (_invalid_state, InvalidState, "LF004", "only dead, cancelled or blocked tasks can be retried"),
     (_invalid_input, InvalidInput, "LF005", "priority must be between 0 and 1000"),
     (_session_lost, SessionLost, "LF006", "unknown session"),
     (_route_refused, RouteRefused, "LF007", "does not accept tasks routed from lane 'a'"),

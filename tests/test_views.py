@@ -43,7 +43,8 @@ from worker.executor import parse_result
 
 ROOT = Path(__file__).resolve().parents[1]
 VIEWS = ["lane_overview", "stuck_tasks", "session_overview", "recent_repairs", "dead_letters",
-         "throughput_hourly", "usage_by_lane_day"]
+         "throughput_hourly", "usage_by_lane_day", "pool_overview", "pool_accept_rate", "blocked_tasks",
+         "review_queue", "review_accept_rate", "attention_tasks", "workspace_usage"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -202,6 +203,9 @@ def test_stuck_tasks_names_each_reason(conn: psycopg.Connection) -> None:
     stalled = enqueue(conn, "s", "stalled")
     token = take(conn, sa, stalled)["lease_token"]
     set_run(conn, token, started="now() - interval '700 seconds'")  # under the p95, no progress
+    # (its progress clock started at the claim, "700 s ago")
+    conn.execute("update fleet.tasks set last_progress_at = now() - interval '700 seconds' where id = %s",
+                 (stalled,))
     retried = enqueue(conn, "s", "retried")
     first = take(conn, sa, retried)["lease_token"]
     assert fail(conn, retried, first) == "queued"

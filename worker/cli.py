@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from worker.errors import DatabaseUnavailable, InvalidInput
+from worker.errors import DatabaseUnavailable, FleetError, InvalidInput
 from worker.migrate import migrate as run_migrations
 from worker.runtime import Runtime
 
@@ -170,23 +170,153 @@ def parse_run_at(value: str | None) -> tuple[datetime | None, float | None]:
     return when, None
 
 
+# the fields of a line of `fleet enqueue --from` (those of fleet.enqueue_many, run_at as --run-at takes it)
+TASK_LINE_FIELDS = ("key", "lane", "payload", "title", "priority", "run_at", "max_attempts")
+
+
+def parse_task_lines(text: str, source: str, default_lane: str | None) -> list[tuple[int, dict[str, Any]]]:
+    """The tasks of a JSON Lines text, as (line number, task for ``enqueue_many``), each line checked
+    before anything is queued: an error names ``source`` and the line. Blank lines are skipped."""
+    out: list[tuple[int, dict[str, Any]]] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{source} line {number}"
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InvalidInput(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})") from None
+        if not isinstance(data, dict):
+            raise InvalidInput(f"{where}: a task must be a JSON object, not a {type(data).__name__}")
+        unknown = sorted(set(data) - set(TASK_LINE_FIELDS))
+        if unknown:
+            raise InvalidInput(f"{where}: unknown field {unknown[0]!r}", f"known: {', '.join(TASK_LINE_FIELDS)}")
+        key = data.get("key")
+        if not isinstance(key, str) or not 1 <= len(key) <= 200:
+            raise InvalidInput(f"{where}: a task needs a \"key\", a string of 1 to 200 characters")
+        task: dict[str, Any] = {"key": key}
+        lane = data.get("lane")
+        if lane is not None and not isinstance(lane, str):
+            raise InvalidInput(f"{where}: \"lane\" must be a string, not a {type(lane).__name__}")
+        if lane is None and default_lane is None:
+            raise InvalidInput(f"{where}: no lane: give --lane L (or LANE), or a \"lane\" on the line")
+        if lane is not None:
+            task["lane"] = lane
+        payload = data.get("payload")
+        if payload is not None and not isinstance(payload, dict):
+            raise InvalidInput(f"{where}: \"payload\" must be a JSON object, not a {type(payload).__name__}")
+        if payload is not None:
+            task["payload"] = payload
+        title = data.get("title")
+        if title is not None and not isinstance(title, str):
+            raise InvalidInput(f"{where}: \"title\" must be a string, not a {type(title).__name__}")
+        if title is not None:
+            task["title"] = title
+        priority = data.get("priority")
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
+                                     or not 0 <= priority <= 1000):
+            raise InvalidInput(f"{where}: \"priority\" must be an integer from 0 to 1000, not {priority!r}")
+        if priority is not None:
+            task["priority"] = priority
+        max_attempts = data.get("max_attempts")
+        if max_attempts is not None and (isinstance(max_attempts, bool) or not isinstance(max_attempts, int)
+                                         or not 1 <= max_attempts <= 2**31 - 1):
+            raise InvalidInput(f"{where}: \"max_attempts\" must be an integer of at least 1, not {max_attempts!r}")
+        if max_attempts is not None:
+            task["max_attempts"] = max_attempts
+        run_at = data.get("run_at")
+        if run_at is not None:
+            if not isinstance(run_at, str):
+                raise InvalidInput(f"{where}: \"run_at\" must be a string (ISO time or +10m), not a "
+                                   f"{type(run_at).__name__}")
+            try:
+                when, delay = parse_run_at(run_at)
+            except InvalidInput:
+                raise InvalidInput(f"{where}: \"run_at\" {run_at!r} is neither an ISO time nor +<n>[s|m|h|d]") from None
+            if when is not None:
+                task["run_at"] = when
+            else:
+                task["delay_seconds"] = delay
+        out.append((number, task))
+    return out
+
+
+_TASK_INDEX = re.compile(r"^p_tasks\[(\d+)\]")
+
+
+def _enqueue_from(r: Runtime, source: str, lane: str | None, as_json: bool) -> None:
+    """``fleet enqueue --from``: every line checked, then one enqueue_many for all of them (one
+    transaction, every lane): a bad line queues nothing."""
+    import sys
+
+    name = "stdin" if source == "-" else source
+    try:
+        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"--from: cannot read {name}: {getattr(exc, 'strerror', None) or exc}") from None
+    lines = parse_task_lines(text, name, lane)
+    try:
+        results = r.store().enqueue_many(lane, [task for _, task in lines]) if lines else []
+    except FleetError as exc:
+        # the database names the task by its index in the batch: name the line instead
+        m = _TASK_INDEX.match(exc.message)
+        if m is None or int(m.group(1)) >= len(lines):
+            raise
+        raise type(exc)(f"{name} line {lines[int(m.group(1))][0]}{exc.message[m.end():]}", exc.hint) from None
+    created = sum(1 for _, c in results if c)
+    existing = len(results) - created
+    if as_json:
+        emit_json({"created": created, "existing": existing,
+                   "tasks": [{"line": number, "key": task["key"], "id": task_id, "created": c}
+                             for (number, task), (task_id, c) in zip(lines, results, strict=True)]})
+        return
+    print(f"{created} created, {existing} already existed")
+
+
 @app.command()
 def enqueue(
     ctx: typer.Context,
-    lane: Annotated[str, typer.Argument(help="the lane to queue the task in")],
-    key: Annotated[str, typer.Option("--key", "-k", help="idempotency key, e.g. issue:473")],
+    lane: Annotated[str | None, typer.Argument(help="the lane to queue the task in (with --from: the default lane)")] = None,
+    key: Annotated[str | None, typer.Option("--key", "-k", help="idempotency key, e.g. issue:473")] = None,
     payload: Annotated[str | None, typer.Option(help="JSON object, or @file.json")] = None,
     title: Annotated[str | None, typer.Option(help="a short title")] = None,
-    priority: Annotated[int, typer.Option(help="0..1000, higher runs first")] = 0,
+    priority: Annotated[int | None, typer.Option(help="0..1000, higher runs first (default 0)")] = None,
     run_at: Annotated[str | None, typer.Option("--run-at", help="ISO time or +10m")] = None,
     max_attempts: Annotated[int | None, typer.Option("--max-attempts", help="override the lane's cap")] = None,
+    from_file: Annotated[str | None, typer.Option(
+        "--from", help="queue the tasks of a JSON Lines file ('-': stdin), one object per line: key, and "
+                       "optionally lane, payload, title, priority, run_at, max_attempts. All or nothing")] = None,
+    lane_option: Annotated[str | None, typer.Option("--lane", "-l", help="the lane (the same as LANE)")] = None,
+    tier: Annotated[str | None, typer.Option("--tier", help="the tier the first attempt runs at (default: the lane's)")] = None,
+    profile: Annotated[str | None, typer.Option("--profile", help="a dispatch profile (default: the lane's pools)")] = None,
+    max_cost: Annotated[float | None, typer.Option("--max-cost", help="the task's budget in USD, over all attempts")] = None,
+    max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="the task's budget in tokens, over all attempts")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Queue a task. Prints its id; says so when the key already existed."""
+    """Queue a task (prints its id; says so when the key already existed), or with --from the
+    tasks of a file (prints how many were created and how many already existed)."""
+    if lane is not None and lane_option is not None and lane != lane_option:
+        raise InvalidInput(f"two lanes given: {lane!r} and --lane {lane_option!r}")
+    lane = lane if lane is not None else lane_option
+    if from_file is not None:
+        given = [flag for flag, value in (("--key", key), ("--payload", payload), ("--title", title),
+                                          ("--priority", priority), ("--run-at", run_at),
+                                          ("--max-attempts", max_attempts), ("--tier", tier),
+                                          ("--profile", profile), ("--max-cost", max_cost),
+                                          ("--max-tokens", max_tokens)) if value is not None]
+        if given:
+            raise InvalidInput(f"--from takes each task's fields from its line; drop {', '.join(given)}")
+        _enqueue_from(rt(ctx), from_file, lane, as_json)
+        return
+    if lane is None:
+        raise InvalidInput("which lane? `fleet enqueue LANE --key K`, or `fleet enqueue --from FILE`")
+    if key is None:
+        raise InvalidInput("a task needs --key K, its idempotency key (or use --from FILE)")
     data = parse_payload(payload)
     when, delay = parse_run_at(run_at)
-    task_id, created = rt(ctx).store().enqueue(lane, key, data, priority, when, max_attempts, title,
-                                               delay_seconds=delay)
+    task_id, created = rt(ctx).store().enqueue(lane, key, data, priority if priority is not None else 0, when,
+                                               max_attempts, title, delay_seconds=delay, tier=tier,
+                                               profile=profile, max_cost_usd=max_cost, max_tokens=max_tokens)
     if as_json:
         emit_json({"id": task_id, "created": created})
     elif created:
@@ -276,7 +406,7 @@ def cancel(ctx: typer.Context, ref: TaskRef) -> None:
 
 @app.command()
 def retry(ctx: typer.Context, ref: TaskRef) -> None:
-    """Queue a dead or cancelled task again, with a fresh attempt cap."""
+    """Queue a dead, cancelled or blocked task again, with a fresh attempt cap (the agent runs again)."""
     store = rt(ctx).store()
     task = store.get_task(ref)
     console.print(f"task {task.id}: {store.retry(task.id)}")
@@ -359,7 +489,9 @@ def register(root: typer.Typer) -> None:
     root.registered_commands.extend(app.registered_commands)
     root.add_typer(lanes_app, name="lanes")
     root.add_typer(db_app, name="db")
-    from worker import devstack, keys
+    from worker import devstack, dispatch_cli, guard, keys
 
     keys.register(root)
     devstack.register(root)
+    dispatch_cli.register(root)
+    guard.register(root)

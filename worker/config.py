@@ -69,6 +69,7 @@ class FleetSection(_Strict):
     store: Literal["postgres", "supabase"] = "postgres"
     workspaces: Path = Path(".fleet/workspaces")
     home: Path = Path(".fleet")  # embedded Postgres, logs, runtime files
+    git_cache: Path = Path(".fleet/git")  # the per-host mirrors of lanes' repos
     monitor_every: float = 30.0
     # a lane with ready work and idle slots for this long is reported (the "leaked slot" class)
     idle_alert_seconds: float = 300.0
@@ -79,8 +80,72 @@ class FleetSection(_Strict):
         return parse_duration(v)
 
 
-class LaneConfig(_Strict):
+DEFAULT_LIMIT_PATTERNS = [
+    r"usage limit", r"rate[ _-]?limit", r"hit your limit", r"\b429\b.{0,40}(too many|rate)",
+    r"(too many|rate).{0,40}\b429\b", r"quota exceeded",
+]
+ESCALATING = ["unverified-exit", "verify-failed", "stalled"]
+
+
+def _argv(v: Any) -> Any:
+    return shlex.split(v) if isinstance(v, str) else v
+
+
+def _check_placeholders(v: list[str] | None) -> list[str] | None:
+    for arg in v or []:
+        for name in re.findall(r"\{([^{}]*)\}", arg):
+            if name not in PLACEHOLDERS:
+                raise ValueError(
+                    f"unknown placeholder {{{name}}} in {arg!r}; "
+                    f"known: {', '.join('{' + p + '}' for p in sorted(PLACEHOLDERS))}"
+                )
+    return v
+
+
+class PoolConfig(_Strict):
+    """A capacity pool (an account, a subscription, a local GPU): slots across the whole fleet."""
+
+    slots: int | None = Field(default=None, ge=0)  # None: unlimited
+
+
+class ProfileConfig(_Strict):
+    """A named dispatch configuration: how to start an agent, and which model each tier runs."""
+
     command: list[str] = Field(min_length=1)
+    models: dict[str, str] = Field(default_factory=dict)  # tier -> model
+    model: str | None = None  # a tier the map does not name
+    pool: str | None = None
+    prompt: Path | None = None  # a prompt template ({instructions} {task} ... see README)
+    # a run that hits a usage or rate limit: an exit code, or one of these (regex, any case) in its
+    # final message or the tail of its output
+    limit_exit_codes: list[int] = Field(default_factory=list)
+    limit_patterns: list[str] = Field(default_factory=lambda: list(DEFAULT_LIMIT_PATTERNS))
+    throttle_backoff: float = 900.0  # the pool's pause when the message names no reset time
+
+    _split_command = field_validator("command", mode="before")(classmethod(lambda cls, v: _argv(v)))
+    _placeholders = field_validator("command")(classmethod(lambda cls, v: _check_placeholders(v)))
+
+    @field_validator("throttle_backoff", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> float:
+        return parse_duration(v)
+
+    @field_validator("limit_patterns")
+    @classmethod
+    def _patterns(cls, v: list[str]) -> list[str]:
+        for pattern in v:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"limit pattern {pattern!r} is not a regular expression: {exc}") from None
+        return v
+
+    def model_for(self, tier: str | None) -> str | None:
+        return self.models.get(tier, self.model) if tier else self.model
+
+
+class LaneConfig(_Strict):
+    command: list[str] | None = Field(default=None, min_length=1)  # or a profile's
     instructions: Path | None = None  # default: lane_instructions/<lane>.md
     model: str | None = None
     max_running: int | None = Field(default=None, ge=0)  # slots across the whole fleet; None = unlimited
@@ -100,23 +165,45 @@ class LaneConfig(_Strict):
     require_result: bool = False
     hidden_files: list[str] = Field(default_factory=lambda: ["fleet"])
     stall_seconds: int | None = Field(default=None, gt=0)
+    # dispatch (see README "Running coding agents")
+    profile: str | None = None  # the default profile (else `command` + `model`)
+    tiers: list[str] = Field(default_factory=list)  # lowest first, e.g. mechanical, mid, strong
+    default_tier: str | None = None  # default: the first tier
+    escalate_on: list[str] = Field(default_factory=lambda: list(ESCALATING))
+    pools: list[str] = Field(default_factory=list)  # preference order; default: the profile's pool
+    verify: list[str] | None = Field(default=None, min_length=1)  # the gate, run after an exit 0
+    verify_timeout: float = 600.0
+    # guard rails (see README "Running coding agents")
+    stall_action: Literal["report", "stop"] = "report"  # a stalled agent: reported, or stopped (a failed attempt)
+    max_cost_usd: float | None = Field(default=None, gt=0)  # per task, unless given at enqueue
+    max_tokens: int | None = Field(default=None, gt=0)  # per task (all kinds), unless given at enqueue
+    daily_budget_usd: float | None = Field(default=None, gt=0)  # per lane per UTC day: no claims past it
+    daily_budget_tokens: int | None = Field(default=None, gt=0)
+    review: bool = False  # a completed task waits in `review` for `fleet review approve|reject`
+    review_cap: int | None = Field(default=None, ge=1)  # no claims while this many wait in review
+    workspace_retention: float = 7 * 86400.0  # a finished task's workspace is reaped after this
+    # git workspaces: each task works in a worktree of a per-host mirror of `repo`, on branch
+    # fleet/<lane>/<task key> cut from `base` at its first claim
+    repo: str | None = None  # a path or any URL git can reach
+    base: str = "main"
 
-    @field_validator("command", mode="before")
-    @classmethod
-    def _split_command(cls, v: Any) -> Any:
-        return shlex.split(v) if isinstance(v, str) else v
+    _split_command = field_validator("command", "verify", mode="before")(classmethod(lambda cls, v: _argv(v)))
+    _placeholders = field_validator("command")(classmethod(lambda cls, v: _check_placeholders(v)))
 
-    @field_validator("command")
+    @field_validator("verify_timeout", "workspace_retention", mode="before")
     @classmethod
-    def _known_placeholders(cls, v: list[str]) -> list[str]:
-        for arg in v:
-            for name in re.findall(r"\{([^{}]*)\}", arg):
-                if name not in PLACEHOLDERS:
-                    raise ValueError(
-                        f"unknown placeholder {{{name}}} in {arg!r}; "
-                        f"known: {', '.join('{' + p + '}' for p in sorted(PLACEHOLDERS))}"
-                    )
-        return v
+    def _durations(cls, v: Any) -> float:
+        return parse_duration(v)
+
+    @model_validator(mode="after")
+    def _tiers(self) -> LaneConfig:
+        if len(set(self.tiers)) != len(self.tiers):
+            raise ValueError("tiers must not repeat")
+        if self.default_tier is not None and self.default_tier not in self.tiers:
+            raise ValueError(f"default_tier {self.default_tier!r} is not one of the lane's tiers {self.tiers}")
+        if self.command is None and self.profile is None:
+            raise ValueError("a lane needs a command or a profile")
+        return self
 
     @field_validator("cron")
     @classmethod
@@ -175,19 +262,63 @@ class FleetConfig(_Strict):
     database: DatabaseConfig = Field(default_factory=DatabaseConfig)
     supabase: SupabaseConfig = Field(default_factory=SupabaseConfig)
     fleet: FleetSection = Field(default_factory=FleetSection)
+    pools: dict[str, PoolConfig] = Field(default_factory=dict)
+    profiles: dict[str, ProfileConfig] = Field(default_factory=dict)
     lanes: dict[str, LaneConfig] = Field(default_factory=dict)
     # where the file was read from (None: built-in defaults); relative paths resolve against it
     source: Path | None = None
 
-    @field_validator("lanes")
+    @field_validator("lanes", "pools", "profiles")
     @classmethod
-    def _lane_keys(cls, v: dict[str, LaneConfig]) -> dict[str, LaneConfig]:
+    def _names(cls, v: dict[str, Any], info: Any) -> dict[str, Any]:
+        what = {"lanes": "lane", "pools": "pool", "profiles": "profile"}[info.field_name]
         for name in v:
             if not LANE_NAME.match(name):
                 raise ValueError(
-                    f"{name!r} is not a lane name (lowercase letters, digits, - and _, 63 at most)"
+                    f"{name!r} is not a {what} name (lowercase letters, digits, - and _, 63 at most)"
                 )
         return v
+
+    @model_validator(mode="after")
+    def _dispatch(self) -> FleetConfig:
+        for name, profile in self.profiles.items():
+            if profile.pool is not None and profile.pool not in self.pools:
+                raise ValueError(f"profiles.{name}.pool: unknown pool {profile.pool!r} "
+                                 f"(pools: {', '.join(sorted(self.pools)) or 'none'})")
+        for name, lane in self.lanes.items():
+            where = f"lanes.{name}"
+            if lane.profile is not None and lane.profile not in self.profiles:
+                raise ValueError(f"{where}.profile: unknown profile {lane.profile!r} "
+                                 f"(profiles: {', '.join(sorted(self.profiles)) or 'none'})")
+            for pool in lane.pools:
+                if pool not in self.pools:
+                    raise ValueError(f"{where}.pools: unknown pool {pool!r} "
+                                     f"(pools: {', '.join(sorted(self.pools)) or 'none'})")
+            # every pool of the lane has a profile that draws from it (dispatch_list raises)
+            drawn: list[str | None] = [e["profile"] for e in self.dispatch_list(name)]
+            for chosen in drawn or [lane.profile]:
+                prof = self.profiles.get(chosen) if chosen else None
+                for tier in lane.tiers:
+                    if prof is not None and prof.model_for(tier) is None:
+                        raise ValueError(f"{where}.tiers: profile {chosen!r} maps no model to tier "
+                                         f"{tier!r} (give profiles.{chosen}.models.{tier} or a model)")
+        return self
+
+    def dispatch_list(self, lane_name: str) -> list[dict[str, str]]:
+        """The lane's pools in preference order, each with the profile that draws from it: the
+        lane's own profile when its pool is that one, else the first profile (in the file's order)
+        drawing from it. Empty for a lane without pools (its profile's pool, if any, is used)."""
+        lane = self.lanes[lane_name]
+        own_pool = self.profiles[lane.profile].pool if lane.profile else None
+        pools = lane.pools or ([own_pool] if own_pool else [])
+        out = []
+        for pool in pools:
+            own = lane.profile if lane.profile and self.profiles[lane.profile].pool == pool else None
+            chosen = own or next((n for n, p in self.profiles.items() if p.pool == pool), None)
+            if chosen is None:
+                raise ValueError(f"lanes.{lane_name}.pools: no profile draws from pool {pool!r}")
+            out.append({"pool": pool, "profile": chosen})
+        return out
 
     @property
     def base_dir(self) -> Path:

@@ -30,8 +30,6 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -189,6 +187,9 @@ def _stop_pid(pid: int, marker: str, timeout: float = 10.0) -> None:
 
 def _wait_http(url: str, seconds: float, headers: dict[str, str] | None = None, *,
                pid: int | None = None, log: Path | None = None) -> None:
+    import urllib.error  # here: every `fleet` command imports this module, few start a stack
+    import urllib.request
+
     end = time.monotonic() + seconds
     last: object = None
     while time.monotonic() < end:
@@ -645,11 +646,10 @@ def up_command(
     stack = up(where, cache=cache, fresh=fresh)
     obj = ctx.find_root().obj
     if sync and isinstance(obj, Runtime):
-        from worker.store import PostgresStore, lane_settings
+        from worker.store import PostgresStore, sync_config
 
         with PostgresStore(stack.db_url, max_size=1) as store:
-            for name, lane in obj.cfg.lanes.items():
-                store.sync_lane(name, lane_settings(lane))
+            sync_config(store, obj.cfg)
     print(f"dev stack up: API {stack.url}/rest/v1/ (schema fleet), database {stack.db_url.split('@')[1]}")
     print(f"environment: {stack.env_file}  (load it: set -a; . {stack.env_file}; set +a)")
     print("keys: fleet keys mint --role worker --lane <lane>   (with SUPABASE_JWT_SECRET from that file)")

@@ -16,7 +16,15 @@ The task payload steers it (all optional):
   task that needs several shifts);
 - ``route``: a lane to route the task to when done (writes ``.fleet/route.json``), with
   ``route_note``;
-- ``tokens``: scale of the token counts (1000).
+- ``tokens``: scale of the token counts (1000; each step's assistant record carries the usage of
+  its turn, 5 × scale tokens);
+- ``commit``: in a git workspace, append a line per step to this file and commit it;
+- ``attention``: write it to ``.fleet/attention.json`` as a permission prompt would, then wait;
+- ``limit_attempts``: in attempts 1..N, hit a usage limit the way Claude Code reports one (a result
+  record with ``is_error`` and "Claude AI usage limit reached|<epoch>", exit 1), the reset
+  ``limit_reset_in`` seconds (3600) from now; ``limit_message`` replaces the text.
+
+``--model M`` after the prompt file: the model it was dispatched with, named in its init record.
 """
 
 from __future__ import annotations
@@ -67,9 +75,23 @@ def result_record(session: str, *, is_error: bool, steps: int, scale: int, text:
     }
 
 
+def commit_step(name: str, message: str) -> None:
+    """A real commit in the workspace (a git worktree): append a line to ``name``, commit it."""
+    import subprocess
+
+    with open(name, "a") as fh:
+        fh.write(message + "\n")
+    git = ["git", "-c", "user.name=example-agent", "-c", "user.email=agent@example.invalid"]
+    subprocess.run([*git, "add", name], check=True)
+    subprocess.run([*git, "commit", "-q", "--no-verify", "-m", message], check=True)
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m worker.example_agent PROMPT_FILE", file=sys.stderr)
+    model = "claude-sonnet-4-5"
+    if len(argv) == 3 and argv[1] == "--model":
+        model = argv[2] or model
+    elif len(argv) != 1:
+        print("usage: python -m worker.example_agent PROMPT_FILE [--model M]", file=sys.stderr)
         return 2
     prompt = Path(argv[0]).read_text()
     fleet = Path(".fleet")
@@ -85,7 +107,18 @@ def main(argv: list[str]) -> int:
         mode = "crash"
 
     emit({"type": "system", "subtype": "init", "session_id": session, "cwd": os.getcwd(),
-          "model": "claude-sonnet-4-5", "prompt_chars": len(prompt)})
+          "model": model, "prompt_chars": len(prompt)})
+    if attempt <= int(payload.get("limit_attempts", 0)):
+        reset = int(time.time() + float(payload.get("limit_reset_in", 3600)))
+        text = payload.get("limit_message") or f"Claude AI usage limit reached|{reset}"
+        record = result_record(session, is_error=True, steps=1, scale=scale, text=text)
+        emit(record)
+        print(text, file=sys.stderr)
+        return 1
+    if payload.get("attention"):
+        # waiting on a permission prompt, as Claude Code's Notification hook reports it; then silent
+        write_json(fleet / "attention.json", {"hook_event_name": "Notification", "message": payload["attention"]})
+        time.sleep(3600)
     if mode == "garbage":
         print("Traceback (most recent call last):\n  ???\n{not json at all")
         return 0
@@ -104,8 +137,14 @@ def main(argv: list[str]) -> int:
         done += 1
         this_attempt += 1
         write_json(fleet / "checkpoint.json", {"step": done, "of": steps, "attempt": attempt})
+        if payload.get("commit"):
+            commit_step(str(payload["commit"]), f"{task['key']}: step {done}/{steps} (attempt {attempt})")
+        # each turn's usage as it arrives, as stream-json carries it (what a budget counts mid-run)
         emit({"type": "assistant", "session_id": session,
-              "message": {"role": "assistant", "content": [{"type": "text", "text": f"step {done}/{steps}"}]}})
+              "message": {"id": f"msg-{attempt}-{done}", "role": "assistant",
+                          "content": [{"type": "text", "text": f"step {done}/{steps}"}],
+                          "usage": {"input_tokens": 4 * scale, "cache_creation_input_tokens": 0,
+                                    "cache_read_input_tokens": 0, "output_tokens": scale}}})
         if mode == "crash" and done >= 1:
             os.kill(os.getpid(), signal.SIGKILL)
         if this_attempt >= per_shift and done < steps:

@@ -95,6 +95,76 @@ class AgentResult:
         return out
 
 
+@dataclass
+class StreamUsage:
+    """Usage as a run streams it: read the log from where the last read stopped, sum the usage of
+    each assistant message (once per message id: Claude Code repeats a message's usage on each of
+    its content blocks), and keep the largest cost a record names. Lets a shift enforce a budget
+    while the agent runs, and count the tokens of a run that never wrote its result record."""
+
+    offset: int = 0
+    input_tokens: int = 0
+    cache_creation_tokens: int = 0
+    cache_read_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd: float = 0.0
+    _seen: set[str] = field(default_factory=set)
+    _partial: bytes = b""
+
+    @property
+    def tokens(self) -> int:
+        return self.input_tokens + self.cache_creation_tokens + self.cache_read_tokens + self.output_tokens
+
+    def read(self, path: Path, limit: int = 4 << 20) -> bool:
+        """Read what the log gained; True if it grew."""
+        try:
+            with path.open("rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read(limit)
+        except OSError:
+            return False
+        if not chunk:
+            return False
+        self.offset += len(chunk)
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()[-65536:]
+        for raw in lines:
+            self._line(raw.decode("utf-8", "replace").strip())
+        return True
+
+    def _line(self, line: str) -> None:
+        if not line.startswith("{"):
+            return
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            return
+        if not isinstance(obj, dict):
+            return
+        for key in ("total_cost_usd", "cost_usd"):
+            cost = obj.get(key)
+            if isinstance(cost, int | float) and cost > self.cost_usd:
+                self.cost_usd = float(cost)
+        message = obj.get("message")
+        if obj.get("type") != "assistant" or not isinstance(message, dict):
+            return
+        usage = message.get("usage")
+        mid = message.get("id")
+        if not isinstance(usage, dict) or (isinstance(mid, str) and mid in self._seen):
+            return
+        if isinstance(mid, str):
+            self._seen.add(mid)
+        self.input_tokens += _int(usage.get("input_tokens"))
+        self.cache_creation_tokens += _int(usage.get("cache_creation_input_tokens"))
+        self.cache_read_tokens += _int(usage.get("cache_read_input_tokens"))
+        self.output_tokens += _int(usage.get("output_tokens"))
+
+    def report(self) -> dict[str, Any]:
+        return {"input_tokens": self.input_tokens, "cache_creation_tokens": self.cache_creation_tokens,
+                "cache_read_tokens": self.cache_read_tokens, "output_tokens": self.output_tokens,
+                "cost_usd": self.cost_usd}
+
+
 def _int(value: Any) -> int:
     return value if isinstance(value, int) and value >= 0 else 0
 
@@ -177,7 +247,8 @@ class AgentProcess:
         try:
             with log_path.open("ab", buffering=0) as log:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "worker.supervisor", str(read_end), "--", *argv],
+                    # -P: the cwd is the task's workspace, whose own `worker/` must not shadow ours
+                    [sys.executable, "-P", "-m", "worker.supervisor", str(read_end), "--", *argv],
                     cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL, stdout=log,
                     stderr=subprocess.STDOUT, pass_fds=(read_end,), start_new_session=True,
                 )

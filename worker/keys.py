@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-import jwt
 import typer
 
 from worker.config import LANE_NAME, parse_duration
@@ -78,6 +77,8 @@ def mint_key(secret: str, role: str, lanes: Sequence[str] | None = None, ttl_sec
     }
     if wanted:
         claims["fleet_lanes"] = wanted
+    import jwt  # here, not at the top: PyJWT pulls in cryptography, which `fleet shift` never needs
+
     return jwt.encode(claims, secret, algorithm="HS256")
 
 
@@ -87,6 +88,8 @@ def describe_key(key: str, environ: Mapping[str, str] | None = None) -> dict[str
     ``signature`` is ``valid`` or ``invalid`` when a secret is in the environment, else
     ``not checked``.
     """
+    import jwt
+
     key = key.strip()
     try:
         header = jwt.get_unverified_header(key)

@@ -44,6 +44,16 @@ class Task(_Row):
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None = None
+    tier: str | None = None
+    profile: str | None = None  # asked at enqueue (None: the lane's)
+    run_profile: str | None = None  # what the current (last) claim dispatched with
+    pool: str | None = None
+    block_reason: str | None = None
+    verify_pending: bool = False
+    max_cost_usd: Decimal | None = None
+    max_tokens: int | None = None
+    review_note: str | None = None
+    attention: str | None = None
 
 
 class Run(_Row):
@@ -66,6 +76,10 @@ class Run(_Row):
     cost_usd: Decimal
     log_path: str | None
     error_tail: str | None
+    profile: str | None = None
+    pool: str | None = None
+    reason: str | None = None
+    gate: str | None = None
 
 
 class Event(_Row):

@@ -14,7 +14,7 @@ import psycopg
 from worker.config import FleetConfig, load_config
 from worker.errors import DatabaseUnavailable, MigrationError
 from worker.migrate import pending
-from worker.store import PostgresStore, lane_settings
+from worker.store import PostgresStore, sync_config
 
 
 class Runtime:
@@ -72,7 +72,7 @@ class Runtime:
 
     def sync_lanes(self) -> dict[str, str]:
         store = self.store()
-        return {name: store.sync_lane(name, lane_settings(lane)) for name, lane in self.cfg.lanes.items()}
+        return sync_config(store, self.cfg)
 
     def close(self) -> None:
         if self._store is not None:

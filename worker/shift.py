@@ -30,20 +30,23 @@ from uuid import UUID
 import structlog
 
 from worker.config import FleetConfig, LaneConfig
+from worker.dispatch import Dispatch, banner, classify_gate, resolve, usage_limit
 from worker.errors import DatabaseUnavailable, FleetError, LeaseLost, SessionLost
 from worker.executor import (
     EX_TEMPFAIL,
     AgentProcess,
+    StreamUsage,
     agent_env,
     parse_result,
     read_lines,
     render_argv,
     tail,
 )
+from worker.guard import GuardServer
 from worker.models import LaneHandoff, Task
 from worker.proc import process_start_time
 from worker.store import Store
-from worker.workspace import Workspace, prepare, safe_name, workspace_for
+from worker.workspace import Workspace, disk_use, prepare, safe_name, workspace_for
 
 EXIT_OK = 0
 EXIT_SESSION_LOST = 3
@@ -60,6 +63,16 @@ class Job:
     stopping: bool = False  # the shift is ending and asked this agent to stop
     checkpoint_mtime: float | None = None
     checkpoint: Any = None
+    dispatch: Dispatch | None = None
+    # the verify gate runs in ``agent``'s place once the agent exited 0 (or at once, for a task an
+    # operator resumed): ``gate_until`` is its deadline (monotonic)
+    gate_until: float | None = None
+    result: Any = None  # the agent's AgentResult, kept for the completion after the gate
+    usage: StreamUsage = field(default_factory=StreamUsage)  # as the run streams it
+    spent_before: tuple[float, int] = (0.0, 0)  # the task's earlier runs: cost, tokens
+    budget: tuple[float | None, int | None] = (None, None)  # the task's: max cost, max tokens
+    over_budget: str | None = None  # why the shift stopped the agent for its budget
+    progress_marks: tuple[int, float | None, float | None] = (0, None, None)  # log size, hook, checkpoint
 
     @property
     def token(self) -> UUID:
@@ -119,6 +132,7 @@ class Shift:
         self._lost = False
         self.log = structlog.get_logger("lanefleet.shift").bind(lane=lane)
         self._instructions: str | None = None
+        self._git_mirror: Any = None
         self._lane_handoff: LaneHandoff | None = None
 
     # -- signals
@@ -145,6 +159,12 @@ class Shift:
         self.session = session
         self.log = self.log.bind(session=str(session))
         self.log.info("shift started", slots=self.slots, seconds=self.max_seconds, host=self.host, pid=pid)
+        # `fleet guard` in an agent asks it whether the task's lease still holds (never raises)
+        self._guard = GuardServer(self.store, log=self.log)
+        self._guard.start()
+        # what this lane's agents run, resolved exactly as a spawn resolves it (`fleet profiles`)
+        self.log.info("dispatch", dispatch=banner(self.cfg, self.lane_name),
+                      verify=" ".join(self.lane.verify) if self.lane.verify else None)
         self.deadline = time.monotonic() + self.max_seconds
         self.deadline_at = datetime.now(UTC) + timedelta(seconds=self.max_seconds)
         next_heartbeat = time.monotonic() + self.heartbeat_every
@@ -221,32 +241,135 @@ class Shift:
         ws = workspace_for(self.workspaces, self.lane_name, task.key)
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         log_path = self.workspaces / self.lane_name / "logs" / f"{task.id}-{safe_name(task.key)}-a{task.attempts}-{stamp}.log"
+        d = resolve(self.cfg, self.lane_name, task.run_profile, task.tier, task.pool)
+        gate_only = task.verify_pending and bool(self.lane.verify)
+        budget = (float(task.max_cost_usd) if task.max_cost_usd is not None else self.lane.max_cost_usd,
+                  task.max_tokens if task.max_tokens is not None else self.lane.max_tokens)
+        spent_before = (0.0, 0)
+        if budget != (None, None):
+            try:
+                spent_before = self.store.task_spend(task.id)
+            except FleetError as exc:
+                log.warning("could not read the task's spend; its budget counts this run only", error=str(exc))
+            over = _over_budget(budget, *spent_before)
+            if over is not None:  # never retried into more spend
+                lease = task.lease_token
+                assert lease is not None
+                state = self._call(task.id, lambda: self.store.block(task.id, lease, "budget", over), "blocked")
+                log.warning("blocked before starting: the task's budget is spent", spent=over, state=state)
+                return
+        if self.lane.repo:
+            try:
+                head = self._git_worktree(task, ws)
+            except FleetError as exc:  # GitError: the repo or the mirror is unreachable, a branch diverged
+                log.error("could not prepare the git worktree", error=str(exc))
+                error, lease_ = f"could not prepare the git worktree: {exc}"[:4000], task.lease_token
+                assert lease_ is not None
+                self._call(task.id, lambda: self.store.fail(task.id, lease_, error), "failed")
+                return
+            log.info("git worktree ready", branch=self._branch(task), head=head[:12])
         try:
             prepare(ws, task, instructions=self.instructions(), lane_handoff=self._lane_handoff,
                     hidden_sets=self.lane.hidden_files, shift_deadline=self.deadline_at)
-            values = {"prompt_file": str(ws.prompt_file), "workspace": str(ws.root),
-                      "model": self.lane.model or "", "task_id": str(task.id),
-                      "agent_session": task.agent_session or ""}
-            env = agent_env(os.environ, {
-                "FLEET_TASK_ID": str(task.id), "FLEET_TASK_KEY": task.key, "FLEET_LANE": self.lane_name,
-                "FLEET_ATTEMPT": str(task.attempts), "FLEET_WORKSPACE": str(ws.root),
-                "FLEET_MODEL": self.lane.model or "", "FLEET_AGENT_SESSION": task.agent_session or "",
-            })
-            agent = AgentProcess(render_argv(self.lane.command, values), cwd=ws.root, env=env,
-                                 log_path=log_path)
+            self._touch_workspace(task, ws)
+            env = self._task_env(task, ws, d)
+            if gate_only:
+                agent = self._start_gate(ws, env, log_path)
+            else:
+                values = {"prompt_file": str(ws.prompt_file), "workspace": str(ws.root),
+                          "model": d.model or "", "task_id": str(task.id),
+                          "agent_session": task.agent_session or ""}
+                agent = AgentProcess(render_argv(d.command, values), cwd=ws.root, env=env, log_path=log_path)
         except OSError as exc:
             log.error("could not start the agent", error=str(exc))
             error, token = f"could not start the agent: {exc}", task.lease_token
             assert token is not None
             self._call(task.id, lambda: self.store.fail(task.id, token, error), "failed")
             return
-        job = Job(task=task, ws=ws, agent=agent, log_path=log_path, started=time.monotonic())
+        job = Job(task=task, ws=ws, agent=agent, log_path=log_path, started=time.monotonic(), dispatch=d,
+                  spent_before=spent_before, budget=budget)
+        if gate_only:
+            job.gate_until = time.monotonic() + self.lane.verify_timeout
         cp = ws.read_checkpoint()
         if cp is not None:
             job.checkpoint, job.checkpoint_mtime = cp
         self.jobs[task.id] = job
-        self._record(job, {"log_path": str(log_path), "model": self.lane.model})
-        log.info("agent started", pid=agent.pid, log=str(log_path))
+        self._record(job, {"log_path": str(log_path), "model": d.model, "tier": d.tier})
+        if gate_only:
+            log.info("verify gate started (resumed task: the gate only)", pid=agent.pid, log=str(log_path))
+        else:
+            log.info("agent started", pid=agent.pid, log=str(log_path), dispatch=d.describe())
+
+    def _task_env(self, task: Task, ws: Workspace, d: Dispatch) -> dict[str, str]:
+        return agent_env(os.environ, {
+            "FLEET_TASK_ID": str(task.id), "FLEET_TASK_KEY": task.key, "FLEET_LANE": self.lane_name,
+            "FLEET_ATTEMPT": str(task.attempts), "FLEET_WORKSPACE": str(ws.root),
+            "FLEET_MODEL": d.model or "", "FLEET_TIER": d.tier or "", "FLEET_PROFILE": d.profile or "",
+            "FLEET_AGENT_SESSION": task.agent_session or "",
+            # FLEET_GUARD_SOCKET, FLEET_LEASE_TOKEN; FLEET_BIN and PATH with `fleet` first on it
+            **self._guard.agent_env(task.lease_token, os.environ.get("PATH")),
+        })
+
+    def _start_gate(self, ws: Workspace, env: dict[str, str], log_path: Path) -> AgentProcess:
+        """The lane's verify gate in the workspace, under a supervisor like an agent (it dies with
+        the shift); its output goes to a log of its own."""
+        assert self.lane.verify is not None
+        gate_log = log_path.with_name(log_path.stem + "-gate.log")
+        argv = render_argv(self.lane.verify, {"workspace": str(ws.root), "task_id": env["FLEET_TASK_ID"],
+                                              "model": env["FLEET_MODEL"], "prompt_file": str(ws.prompt_file),
+                                              "agent_session": env["FLEET_AGENT_SESSION"]})
+        return AgentProcess(argv, cwd=ws.root, env={**env, "FLEET_GATE": "1"}, log_path=gate_log)
+
+    # -- git workspaces
+
+    def _mirror(self) -> Any:
+        from worker.gitws import Mirror
+
+        if self._git_mirror is None:
+            assert self.lane.repo is not None
+            # hidden files never get committed: the mirror's shared info/exclude lists them
+            excludes = ["/.fleet/"] + [f"/.{name}/" for name in self.lane.hidden_files if name != "fleet"]
+            self._git_mirror = Mirror(self.cfg.path(self.cfg.fleet.git_cache), self.lane.repo, excludes=tuple(excludes))
+        return self._git_mirror
+
+    def _branch(self, task: Task) -> str:
+        from worker.gitws import branch_name
+
+        return branch_name(self.lane_name, task.key)
+
+    def _git_worktree(self, task: Task, ws: Workspace) -> str:
+        """The task's worktree on its branch: cut from the lane's base at the first claim, reused
+        (commits kept) by later attempts on this host, recreated from the pushed branch on another."""
+        from worker.gitws import ensure_task_worktree
+
+        return str(ensure_task_worktree(self._mirror(), ws.root, self._branch(task), self.lane.base))
+
+    def _git_push(self, job: Job, *, commit_wip: bool) -> None:
+        """Push the task's branch so another host can continue from it (at a hand-off, uncommitted
+        work is committed first as a work-in-progress commit). Best effort: logged, never fatal."""
+        if not self.lane.repo:
+            return
+        from worker.gitws import commit_all, push
+
+        try:
+            if commit_wip:
+                commit_all(self._mirror(), job.ws.root,
+                           f"lanefleet: work in progress of {job.task.key} at hand-off (attempt {job.task.attempts})")
+            sha = push(self._mirror(), self._branch(job.task))
+            self.log.info("branch pushed", task=job.task.id, branch=self._branch(job.task), head=str(sha)[:12])
+        except FleetError as exc:
+            self.log.warning("could not push the task's branch", task=job.task.id, error=str(exc))
+
+    def _touch_workspace(self, task: Task, ws: Workspace) -> None:
+        """Record the task's workspace on this host with its size (fleet.workspaces), at the start
+        and the end of an attempt. Best effort: a failure is logged, never fatal."""
+        if task.lease_token is None:
+            return
+        try:
+            use = disk_use(ws.root, max_seconds=0.5)
+            self.store.touch_workspace(task.id, task.lease_token, self.host, os.path.abspath(ws.root), use.bytes)
+        except Exception as exc:  # the workspace record never costs the attempt
+            self.log.warning("could not record the workspace", task=task.id, error=str(exc))
 
     def _record(self, job: Job, report: dict[str, Any]) -> None:
         try:
@@ -309,10 +432,33 @@ class Shift:
 
     def _reap(self) -> None:
         for task_id, job in list(self.jobs.items()):
+            if job.gate_until is None:
+                job.usage.read(job.log_path)
+                self._check_budget(job)
             code = job.agent.poll()
-            if code is not None:
-                del self.jobs[task_id]
+            timed_out = False
+            if code is None and job.gate_until is not None and time.monotonic() > job.gate_until \
+                    and job.killed is None and not job.stopping:
+                job.agent.kill()  # a gate past its timeout: automation-broken
+                job.agent.wait(10)
+                code, timed_out = job.agent.poll(), True
+            if code is None:
+                continue
+            del self.jobs[task_id]
+            if job.gate_until is not None:
+                self._finish_gate(job, code, timed_out=timed_out)
+            else:
                 self._finish(job, code)
+
+    def _check_budget(self, job: Job) -> None:
+        if job.over_budget is not None or job.killed is not None or job.budget == (None, None):
+            return
+        over = _over_budget(job.budget, job.spent_before[0] + job.usage.cost_usd,
+                            job.spent_before[1] + job.usage.tokens)
+        if over is not None:
+            job.over_budget = over
+            job.agent.kill()
+            self.log.warning("budget crossed: agent stopped", task=job.task.id, spent=over)
 
     def _snapshot(self, job: Job, reason: str, code: int | None, agent_session: str | None) -> dict[str, Any]:
         return {
@@ -328,7 +474,13 @@ class Shift:
         task = job.task
         log = self.log.bind(task=task.id, key=task.key, attempt=task.attempts, exit_code=code)
         result = parse_result(read_lines(job.log_path))
-        report: dict[str, Any] = {**result.report(), "exit_code": code, "log_path": str(job.log_path)}
+        job.usage.read(job.log_path)
+        # the final record's modelUsage when there is one; else what the run streamed (a run that was
+        # stopped still spent its tokens)
+        usage = result.report() if result.found else {**result.report(), **job.usage.report()}
+        report: dict[str, Any] = {**usage, "exit_code": code, "log_path": str(job.log_path)}
+        if job.dispatch is not None and job.dispatch.model:
+            report["model"] = job.dispatch.model  # what was dispatched (modelUsage names sub-agents too)
         if code != 0:
             report["error_tail"] = tail(job.log_path, 2000)
         self._record(job, report)  # tokens count even when the lease is gone
@@ -341,24 +493,53 @@ class Shift:
             log.info("agent ended after its lease was gone", reason=job.killed)
             self._count(job.killed)
             return
+        self._touch_workspace(task, job.ws)  # while the lease still holds: before the final call
         tid, token = task.id, job.token
+        if job.over_budget is not None:
+            over = job.over_budget
+            state = self._call(tid, lambda: self.store.block(tid, token, "budget", over), "blocked")
+            log.warning("blocked: the run crossed the task's budget", spent=over, state=state)
+            return
+        limit = None
+        if code != EX_TEMPFAIL:
+            profile = self.cfg.profiles.get(job.dispatch.profile) if job.dispatch and job.dispatch.profile else None
+            limit = usage_limit(profile, code, result.summary, tail(job.log_path, 4000))
         if code == EX_TEMPFAIL or (job.stopping and code != 0):
             why = "agent asked to hand off (exit 75)" if code == EX_TEMPFAIL else f"shift ended ({self._stop_reason})"
             snap = self._snapshot(job, why, code, result.session_id)
+            self._git_push(job, commit_wip=True)
             state = self._call(tid, lambda: self.store.hand_off(tid, token, snap), "handed_off")
             log.info("handed off", state=state)
+        elif limit is not None:
+            # never a success, never a spent attempt: the pool pauses, the task waits for the reset
+            until = self._call(tid, lambda: str(self.store.throttle(tid, token, limit.until, limit.note,
+                                                                    limit.after_seconds)), "throttled")
+            log.warning("usage limit: pool throttled, task requeued for after the reset",
+                        pool=task.pool, until=until, note=limit.note)
         elif code != 0:
             error = f"exit code {code}: {tail(job.log_path, 800).strip()[-800:]}"
-            state = self._call(tid, lambda: self.store.fail(tid, token, error), "failed")
+            state = self._call(tid, lambda: self.store.fail(tid, token, error, reason="unverified-exit"), "failed")
             log.info("attempt failed", state=state)
         elif result.found and result.is_error:
             error = f"the agent reported is_error ({result.subtype}): {result.summary or ''}"[:2000]
-            state = self._call(tid, lambda: self.store.fail(tid, token, error), "failed")
+            state = self._call(tid, lambda: self.store.fail(tid, token, error, reason="unverified-exit"), "failed")
             log.info("attempt failed: is_error", state=state)
         elif self.lane.require_result and not result.found:
             error = "unverified exit: exit 0 without a result record"
-            state = self._call(tid, lambda: self.store.fail(tid, token, error), "failed")
+            state = self._call(tid, lambda: self.store.fail(tid, token, error, reason="unverified-exit"), "failed")
             log.info("attempt failed: unverified exit", state=state)
+        elif self.lane.verify and job.ws.read_route() is None:
+            # exit 0: the gate decides; the job keeps its slot while the gate runs
+            try:
+                job.agent = self._start_gate(job.ws, self._task_env(task, job.ws, job.dispatch or resolve(
+                    self.cfg, self.lane_name, task.run_profile, task.tier)), job.log_path)
+            except OSError as exc:
+                self._end_gate(job, "automation-broken", f"the gate could not be started: {exc}")
+                return
+            job.gate_until = time.monotonic() + self.lane.verify_timeout
+            job.result = result
+            self.jobs[tid] = job
+            log.info("verify gate started", pid=job.agent.pid)
         else:
             route = job.ws.read_route()
             if route is not None and "error" in route:
@@ -376,14 +557,70 @@ class Shift:
             else:
                 res = {"summary": result.summary, "agent_session": result.session_id,
                        "cost_usd": result.cost_usd} if result.found else {"summary": None}
+                self._git_push(job, commit_wip=False)  # the work, where other hosts and people see it
                 state = self._call(tid, lambda: self.store.complete(tid, token, res), "done")
                 log.info("done", state=state)
 
+    def _finish_gate(self, job: Job, code: int, *, timed_out: bool = False) -> None:
+        job.agent.release()
+        if job.killed is not None:
+            self.log.info("gate ended after its lease was gone", task=job.task.id, reason=job.killed)
+            self._count(job.killed)
+            return
+        self._touch_workspace(job.task, job.ws)
+        if job.stopping and code != 0:  # the shift ended under the gate: the next shift re-runs it
+            snap = self._snapshot(job, f"shift ended during the verify gate ({self._stop_reason})", code, None)
+            tid, token = job.task.id, job.token
+            self._call(tid, lambda: self.store.hand_off(tid, token, snap), "handed_off")
+            return
+        outcome, evidence = classify_gate(code, tail(job.agent.log_path, 8000), timed_out=timed_out)
+        self._end_gate(job, outcome, evidence)
+
+    def _end_gate(self, job: Job, outcome: str, evidence: str) -> None:
+        """Act on the gate's outcome: ok → done; task-failed → a failed attempt (escalating) with the
+        evidence; automation-broken | capability-unavailable → blocked until an operator acts."""
+        task, tid, token = job.task, job.task.id, job.token
+        log = self.log.bind(task=tid, key=task.key, attempt=task.attempts, gate=outcome)
+        self._record(job, {"gate": outcome})
+        if outcome == "ok":
+            result = job.result
+            res: dict[str, Any] = ({"summary": result.summary, "agent_session": result.session_id,
+                                    "cost_usd": result.cost_usd}
+                                   if result is not None and result.found else {"summary": None})
+            res["gate"] = "ok"
+            self._git_push(job, commit_wip=False)  # the work, where other hosts and people see it
+            state = self._call(tid, lambda: self.store.complete(tid, token, res), "done")
+            log.info("done: the verify gate passed", state=state)
+        elif outcome == "task-failed":
+            error = f"verify gate failed: {evidence[-1800:]}"
+            state = self._call(tid, lambda: self.store.fail(tid, token, error, reason="verify-failed"), "failed")
+            log.info("attempt failed: the verify gate says the work is wrong", state=state)
+        else:
+            state = self._call(tid, lambda: self.store.block(tid, token, outcome, evidence[-4000:]), "blocked")
+            log.warning("blocked: the verify gate could not judge", state=state, evidence=evidence[-300:])
+
     # -- heartbeat
 
+    def _progress(self) -> tuple[list[int], dict[int, str]]:
+        """The jobs whose agent made progress since the last heartbeat (its log grew, a hook touched
+        ``.fleet/progress``, its checkpoint changed; a running gate counts), and the agents waiting
+        on a question or a permission prompt (``.fleet/attention.json``, the Notification hook's)."""
+        progressed: list[int] = []
+        attention: dict[int, str] = {}
+        for task_id, job in self.jobs.items():
+            marks = (_size(job.agent.log_path), _mtime(job.ws.fleet / "progress"), _mtime(job.ws.checkpoint_file))
+            if marks != job.progress_marks or job.gate_until is not None:
+                progressed.append(task_id)
+                job.progress_marks = marks
+            waiting = _attention(job.ws.fleet / "attention.json")
+            if waiting:
+                attention[task_id] = waiting
+        return progressed, attention
+
     def _heartbeat(self) -> None:
+        progressed, attention = self._progress()
         try:
-            statuses = self.store.heartbeat(self.session, [*self.jobs, *self.pending])
+            statuses = self.store.heartbeat(self.session, [*self.jobs, *self.pending], progressed, attention)
         except SessionLost as exc:
             self.log.error("session lost: stopping every agent", error=str(exc))
             self._lost = True
@@ -442,6 +679,46 @@ class Shift:
         except FleetError as exc:
             self.log.error("could not close the session", error=str(exc))
         self.log.info("shift ended", reason=reason, claimed=self.summary.claimed, **self.summary.outcomes)
+        self._guard.stop()  # last: an agent's `fleet guard` now finds no shift, and refuses
+
+
+def _over_budget(budget: tuple[float | None, int | None], cost: float, tokens: int) -> str | None:
+    max_cost, max_tokens = budget
+    if max_cost is not None and cost >= max_cost:
+        return f"spent ${cost:.4f} of the task's ${max_cost:.4f} budget ({tokens:,} tokens)"
+    if max_tokens is not None and tokens >= max_tokens:
+        return f"spent {tokens:,} tokens of the task's {max_tokens:,} budget (${cost:.4f})"
+    return None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def _attention(path: Path) -> str | None:
+    """What an agent waits for, from ``.fleet/attention.json`` (a Notification hook's JSON, whose
+    ``message`` says it, or plain text); None when there is no such file."""
+    try:
+        text = path.read_text(errors="replace").strip()
+    except OSError:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text[:500] or "waiting for input"
+    if isinstance(data, dict):
+        return str(data.get("message") or data.get("title") or "waiting for input")[:500]
+    return str(data)[:500]
 
 
 def lane_handoff_markdown(h: LaneHandoff) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, LiteralString, Protocol
@@ -69,8 +69,9 @@ def queries() -> dict[str, str]:
     return load_queries(Path(__file__).parent / "queries.sql")
 
 
-def lane_settings(lane: LaneConfig) -> dict[str, Any]:
-    """The fleet.lanes columns of a configured lane (what ``fleet.sync_lane`` takes)."""
+def lane_settings(lane: LaneConfig, dispatch: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    """The fleet.lanes columns of a configured lane (what ``fleet.sync_lane`` takes).
+    ``dispatch``: the lane's pools with their profiles (FleetConfig.dispatch_list)."""
     return {
         "max_running": lane.max_running,
         "lease_seconds": lane.lease_seconds,
@@ -86,8 +87,47 @@ def lane_settings(lane: LaneConfig) -> dict[str, Any]:
             "require_result": lane.require_result,
             "stall_seconds": lane.stall_seconds,
             "max_shifts": lane.max_shifts,
+            "tiers": lane.tiers,
+            "default_tier": lane.default_tier,
+            "escalate_on": lane.escalate_on,
+            "profile": lane.profile,
+            "dispatch": dispatch or [],
+            "stall_action": lane.stall_action,
+            "max_cost_usd": lane.max_cost_usd,
+            "max_tokens": lane.max_tokens,
+            "daily_budget_usd": lane.daily_budget_usd,
+            "daily_budget_tokens": lane.daily_budget_tokens,
+            "review": lane.review,
+            "review_cap": lane.review_cap,
+            "workspace_retention_seconds": lane.workspace_retention,
         },
     }
+
+
+def sync_config(store: Store, cfg: FleetConfig) -> dict[str, str]:
+    """Write the config's pools, profiles and lanes to the database (`fleet lanes sync`), in that
+    order (a profile names its pool, a lane its profile). Name → created | updated | unchanged."""
+    out = {f"pool {n}": store.sync_pool(n, p.slots) for n, p in cfg.pools.items()}
+    out |= {f"profile {n}": store.sync_profile(n, p.pool, p.models) for n, p in cfg.profiles.items()}
+    out |= {name: store.sync_lane(name, lane_settings(lane, cfg.dispatch_list(name)))
+            for name, lane in cfg.lanes.items()}
+    return out
+
+
+# one task of a complete_many batch: (task, token) or (task, token, result)
+CompleteItem = tuple[int, UUID] | tuple[int, UUID, Any]
+
+
+def bulk_tasks(tasks: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The JSON array ``fleet.enqueue_many`` takes: each task as given, a ``run_at`` datetime as ISO
+    text. Everything else is checked by the database (the same checks as a single enqueue)."""
+    out = []
+    for task in tasks:
+        item = dict(task)
+        if isinstance(item.get("run_at"), datetime):
+            item["run_at"] = item["run_at"].isoformat()
+        out.append(item)
+    return out
 
 
 class Store(Protocol):
@@ -95,14 +135,31 @@ class Store(Protocol):
 
     def enqueue(self, lane: str, key: str, payload: dict[str, Any] | None = None, priority: int = 0,
                 run_at: datetime | None = None, max_attempts: int | None = None,
-                title: str | None = None, delay_seconds: float | None = None) -> tuple[int, bool]: ...
+                title: str | None = None, delay_seconds: float | None = None, tier: str | None = None,
+                profile: str | None = None, max_cost_usd: float | None = None,
+                max_tokens: int | None = None) -> tuple[int, bool]: ...
     def open_session(self, lane: str, host: str, pid: int, pid_started_at: datetime | None,
                      seconds: int) -> UUID: ...
+    def enqueue_many(self, lane: str | None, tasks: Sequence[Mapping[str, Any]]) -> list[tuple[int, bool]]: ...
     def claim(self, session: UUID, limit: int = 1) -> list[Task]: ...
-    def heartbeat(self, session: UUID, tasks: list[int] | None = None) -> dict[int, str]: ...
+    def heartbeat(self, session: UUID, tasks: list[int] | None = None, progressed: list[int] | None = None,
+                  attention: dict[int, str] | None = None) -> dict[int, str]: ...
+    def task_spend(self, task: int) -> tuple[float, int]: ...
+    def stalled_tasks(self) -> list[dict[str, Any]]: ...
+    def set_task_budget(self, task: int, max_cost_usd: float | None = None, max_tokens: int | None = None) -> str: ...
+    def review_approve(self, task: int, note: str | None = None) -> str: ...
+    def review_reject(self, task: int, note: str) -> str: ...
+    def lease_held(self, task: int, token: UUID) -> tuple[bool, str]: ...
     def checkpoint(self, task: int, token: UUID, data: Any) -> int: ...
     def complete(self, task: int, token: UUID, result: Any = None) -> str: ...
-    def fail(self, task: int, token: UUID, error: str, retryable: bool = True) -> str: ...
+    def complete_many(self, items: Sequence[CompleteItem]) -> dict[int, str]: ...
+    def fail(self, task: int, token: UUID, error: str, retryable: bool = True, reason: str | None = None) -> str: ...
+    def block(self, task: int, token: UUID, reason: str, evidence: str | None = None) -> str: ...
+    def throttle(self, task: int, token: UUID, until: datetime | None = None, note: str | None = None,
+                 after_seconds: float | None = None) -> datetime: ...
+    def resume(self, task: int) -> str: ...
+    def sync_pool(self, name: str, slots: int | None) -> str: ...
+    def sync_profile(self, name: str, pool: str | None, models: dict[str, str]) -> str: ...
     def hand_off(self, task: int, token: UUID, snapshot: dict[str, Any]) -> str: ...
     def route(self, task: int, token: UUID, lane: str, note: Any = None) -> str: ...
     def record_run(self, token: UUID, report: dict[str, Any]) -> None: ...
@@ -112,6 +169,10 @@ class Store(Protocol):
     def sync_lane(self, name: str, settings: dict[str, Any]) -> str: ...
     def reconcile(self, idle_seconds: int = 300, overdue_grace_seconds: int = 60) -> list[RepairAction]: ...
     def declare_session_lost(self, session: UUID, reason: str) -> list[RepairAction]: ...
+    def touch_workspace(self, task: int, token: UUID, host: str, path: str, size: int | None = None) -> int: ...
+    def workspaces_to_reap(self, host: str, limit: int = 100) -> list[dict[str, Any]]: ...
+    def workspace_reaped(self, workspace: int, bytes_freed: int | None = None) -> bool: ...
+    def workspace_usage(self) -> list[dict[str, Any]]: ...
     def get_task(self, ref: int | str) -> Task: ...
     def last_lane_handoff(self, lane: str) -> LaneHandoff | None: ...
     def close(self) -> None: ...
@@ -259,17 +320,32 @@ class PostgresStore(NamedReads):
 
     def enqueue(self, lane: str, key: str, payload: dict[str, Any] | None = None, priority: int = 0,
                 run_at: datetime | None = None, max_attempts: int | None = None,
-                title: str | None = None, delay_seconds: float | None = None) -> tuple[int, bool]:
+                title: str | None = None, delay_seconds: float | None = None, tier: str | None = None,
+                profile: str | None = None, max_cost_usd: float | None = None,
+                max_tokens: int | None = None) -> tuple[int, bool]:
         """Queue a task; (id, created). ``delay_seconds`` counts from the database's now()."""
         rows = self._run(
             # ::int: a Python int past int4 is sent as bigint, which matches no fleet.enqueue_task
             # ("function does not exist", read as "not migrated"); cast, and it is out of range
             "select task_id, created from fleet.enqueue_task(%s, %s, %s, %s::int,"
-            " coalesce(%s::timestamptz, now() + make_interval(secs => coalesce(%s, 0))), %s::int, %s)",
+            " coalesce(%s::timestamptz, now() + make_interval(secs => coalesce(%s, 0))), %s::int, %s,"
+            " %s, %s, %s::numeric, %s::bigint)",
             (lane, key, _json(payload if payload is not None else {}), priority, run_at, delay_seconds,
-             max_attempts, title),
+             max_attempts, title, tier, profile, max_cost_usd, max_tokens),
         )
         return int(rows[0]["task_id"]), bool(rows[0]["created"])
+
+    def enqueue_many(self, lane: str | None, tasks: Sequence[Mapping[str, Any]]) -> list[tuple[int, bool]]:
+        """Queue many tasks in one transaction, all or nothing (``fleet.enqueue_many``). Each task is
+        a mapping with ``key`` and optionally ``lane`` (default: ``lane``), ``payload``, ``title``,
+        ``priority``, ``run_at`` (a datetime or ISO text) or ``delay_seconds``, ``max_attempts``.
+        (id, created) per task, in order; idempotent on key, so a retry is safe. A bad task raises
+        the error enqueue would, its message starting ``p_tasks[<index>] (key '<key>'):``."""
+        if not tasks:
+            return []
+        rows = self._run("select idx, id, created from fleet.enqueue_many(%s, %s)",
+                         (lane, Jsonb(bulk_tasks(tasks))))
+        return [(int(r["id"]), bool(r["created"])) for r in sorted(rows, key=lambda r: int(r["idx"]))]
 
     def open_session(self, lane: str, host: str, pid: int, pid_started_at: datetime | None,
                      seconds: int) -> UUID:
@@ -280,11 +356,42 @@ class PostgresStore(NamedReads):
         rows = self._run("select * from fleet.claim(%s, %s)", (session, limit), idempotent=False)
         return [Task.model_validate(r) for r in rows]
 
-    def heartbeat(self, session: UUID, tasks: list[int] | None = None) -> dict[int, str]:
+    def heartbeat(self, session: UUID, tasks: list[int] | None = None, progressed: list[int] | None = None,
+                  attention: dict[int, str] | None = None) -> dict[int, str]:
         """Renew the session's leases: those of ``tasks`` (the others it holds are released), or
-        all of them when ``tasks`` is None. Task id → ok | lost | cancelled."""
-        rows = self._run("select task_id, status from fleet.heartbeat(%s, %s::bigint[])", (session, tasks))
+        all of them when ``tasks`` is None. ``progressed``: tasks whose agent made progress since
+        the last heartbeat; ``attention``: agents waiting on a question or a prompt (the others'
+        flags are cleared). Task id → ok | lost | cancelled | stalled."""
+        rows = self._run("select task_id, status from fleet.heartbeat(%s, %s::bigint[], %s::bigint[], %s)",
+                         (session, tasks, progressed,
+                          _json({str(k): v for k, v in attention.items()}) if attention is not None else None))
         return {int(r["task_id"]): str(r["status"]) for r in rows}
+
+    def stalled_tasks(self) -> list[dict[str, Any]]:
+        """Running tasks without progress for their lane's stall_seconds, and agents waiting on a
+        prompt (what the monitor reports)."""
+        return [dict(r) for r in self._run("select * from fleet.stalled_tasks()", ())]
+
+    def task_spend(self, task: int) -> tuple[float, int]:
+        """What a task has spent over all its runs: (cost in USD, tokens of every kind)."""
+        row = self._run("select cost_usd, tokens from fleet.task_spend(%s)", (task,))[0]
+        return float(row["cost_usd"]), int(row["tokens"])
+
+    def set_task_budget(self, task: int, max_cost_usd: float | None = None, max_tokens: int | None = None) -> str:
+        return str(self._one("select fleet.set_task_budget(%s, %s::numeric, %s::bigint)",
+                             (task, max_cost_usd, max_tokens)))
+
+    def review_approve(self, task: int, note: str | None = None) -> str:
+        return str(self._one("select fleet.review_approve(%s, %s)", (task, note), idempotent=False))
+
+    def review_reject(self, task: int, note: str) -> str:
+        return str(self._one("select fleet.review_reject(%s, %s)", (task, note), idempotent=False))
+
+    def lease_held(self, task: int, token: UUID) -> tuple[bool, str]:
+        """(held, the task's state) at this moment, by the database's clock: held only while the task
+        runs under ``token`` and its lease has not expired. Read only (what ``fleet guard`` asks)."""
+        rows = self._run("select held, state from fleet.lease_held(%s, %s)", (task, token))
+        return bool(rows[0]["held"]), str(rows[0]["state"])
 
     def checkpoint(self, task: int, token: UUID, data: Any) -> int:
         return int(self._one("select fleet.checkpoint(%s, %s, %s)", (task, token, _json(data))))
@@ -293,9 +400,45 @@ class PostgresStore(NamedReads):
         return str(self._one("select fleet.complete(%s, %s, %s)", (task, token, _json(result)),
                              idempotent=False))
 
-    def fail(self, task: int, token: UUID, error: str, retryable: bool = True) -> str:
-        return str(self._one("select fleet.fail(%s, %s, %s, %s)", (task, token, error, retryable),
+    def complete_many(self, items: Sequence[CompleteItem]) -> dict[int, str]:
+        """Complete many tasks in one call (``fleet.complete_many``), each fenced by its own token:
+        items are (task, token) or (task, token, result). Task id → done | lost (the token no longer
+        holds it: nothing changed for that task) | unknown (no such task)."""
+        if not items:
+            return {}
+        results = [_json(i[2]) if len(i) > 2 else None for i in items]
+        rows = self._run(
+            "select task_id, status from fleet.complete_many(%s::bigint[], %s::uuid[], %s::jsonb[])",
+            ([i[0] for i in items], [i[1] for i in items],
+             results if any(r is not None for r in results) else None),
+            idempotent=False)
+        return {int(r["task_id"]): str(r["status"]) for r in rows}
+
+    def fail(self, task: int, token: UUID, error: str, retryable: bool = True, reason: str | None = None) -> str:
+        """``reason``: why (unverified-exit, verify-failed, stalled, ...); the lane's escalate_on
+        reasons move the next attempt one tier up."""
+        return str(self._one("select fleet.fail(%s, %s, %s, %s, %s)", (task, token, error, retryable, reason),
                              idempotent=False))
+
+    def block(self, task: int, token: UUID, reason: str, evidence: str | None = None) -> str:
+        return str(self._one("select fleet.block(%s, %s, %s, %s)", (task, token, reason, evidence),
+                             idempotent=False))
+
+    def throttle(self, task: int, token: UUID, until: datetime | None = None, note: str | None = None,
+                 after_seconds: float | None = None) -> datetime:
+        value = self._one("select fleet.throttle(%s, %s, %s, %s, %s)", (task, token, until, note, after_seconds),
+                          idempotent=False)
+        assert isinstance(value, datetime)
+        return value
+
+    def resume(self, task: int) -> str:
+        return str(self._one("select fleet.resume(%s)", (task,), idempotent=False))
+
+    def sync_pool(self, name: str, slots: int | None) -> str:
+        return str(self._one("select fleet.sync_pool(%s, %s)", (name, slots)))
+
+    def sync_profile(self, name: str, pool: str | None, models: dict[str, str]) -> str:
+        return str(self._one("select fleet.sync_profile(%s, %s, %s)", (name, pool, _json(models))))
 
     def hand_off(self, task: int, token: UUID, snapshot: dict[str, Any]) -> str:
         return str(self._one("select fleet.hand_off(%s, %s, %s)", (task, token, _json(snapshot)),
@@ -328,6 +471,26 @@ class PostgresStore(NamedReads):
     def declare_session_lost(self, session: UUID, reason: str) -> list[RepairAction]:
         rows = self._run("select * from fleet.declare_session_lost(%s, %s)", (session, reason))
         return [RepairAction.model_validate(r) for r in rows]
+
+    # -- workspaces (fleet.workspaces)
+
+    def touch_workspace(self, task: int, token: UUID, host: str, path: str, size: int | None = None) -> int:
+        """Record the task's workspace on ``host`` (fenced by the lease): made, or used again;
+        ``size`` in bytes (None keeps the last). Returns the workspace id."""
+        return int(self._one("select fleet.touch_workspace(%s, %s, %s, %s, %s::bigint)",
+                             (task, token, host, path, size)))
+
+    def workspaces_to_reap(self, host: str, limit: int = 100) -> list[dict[str, Any]]:
+        """The host's workspaces whose task has been finished for longer than its lane's retention."""
+        return self._run("select * from fleet.workspaces_to_reap(%s, %s::int)", (host, limit))
+
+    def workspace_reaped(self, workspace: int, bytes_freed: int | None = None) -> bool:
+        """Mark a workspace reaped; False if it must stay (its task is live again)."""
+        return bool(self._one("select fleet.workspace_reaped(%s, %s::bigint)", (workspace, bytes_freed)))
+
+    def workspace_usage(self) -> list[dict[str, Any]]:
+        """fleet.workspace_usage: disk use per lane and host."""
+        return self._run("select * from fleet.workspace_usage order by lane, host")
 
     # -- reads
 

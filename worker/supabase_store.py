@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -45,7 +45,7 @@ from worker.errors import (
     MigrationError,
 )
 from worker.models import RepairAction, Task
-from worker.store import NamedReads
+from worker.store import CompleteItem, NamedReads, bulk_tasks
 
 
 class AccessDenied(FleetError):
@@ -202,15 +202,26 @@ class SupabaseStore(NamedReads):
 
     def enqueue(self, lane: str, key: str, payload: dict[str, Any] | None = None, priority: int = 0,
                 run_at: datetime | None = None, max_attempts: int | None = None,
-                title: str | None = None, delay_seconds: float | None = None) -> tuple[int, bool]:
+                title: str | None = None, delay_seconds: float | None = None, tier: str | None = None,
+                profile: str | None = None, max_cost_usd: float | None = None,
+                max_tokens: int | None = None) -> tuple[int, bool]:
         """Queue a task; (id, created). ``delay_seconds`` counts from the database's now()."""
         common = {"p_lane": lane, "p_key": key, "p_payload": payload if payload is not None else {},
-                  "p_priority": priority, "p_max_attempts": max_attempts, "p_title": title}
+                  "p_priority": priority, "p_max_attempts": max_attempts, "p_title": title,
+                  "p_tier": tier, "p_profile": profile, "p_max_cost_usd": max_cost_usd,
+                  "p_max_tokens": max_tokens}
         if run_at is None and delay_seconds is not None:
             rows = self._rpc("enqueue_after", {"p_delay_seconds": delay_seconds, **common})
         else:
             rows = self._rpc("enqueue_task", {**common, "p_run_at": run_at.isoformat() if run_at else None})
         return int(rows[0]["task_id"]), bool(rows[0]["created"])
+
+    def enqueue_many(self, lane: str | None, tasks: Sequence[Mapping[str, Any]]) -> list[tuple[int, bool]]:
+        """Queue many tasks in one transaction (see :meth:`worker.store.PostgresStore.enqueue_many`)."""
+        if not tasks:
+            return []
+        rows = self._rpc("enqueue_many", {"p_lane": lane, "p_tasks": bulk_tasks(tasks)})
+        return [(int(r["id"]), bool(r["created"])) for r in sorted(rows or [], key=lambda r: int(r["idx"]))]
 
     def open_session(self, lane: str, host: str, pid: int, pid_started_at: datetime | None,
                      seconds: int) -> UUID:
@@ -223,10 +234,35 @@ class SupabaseStore(NamedReads):
         rows = self._rpc("claim", {"p_session": str(session), "p_limit": limit}, idempotent=False)
         return [Task.model_validate(r) for r in rows or []]
 
-    def heartbeat(self, session: UUID, tasks: list[int] | None = None) -> dict[int, str]:
+    def heartbeat(self, session: UUID, tasks: list[int] | None = None, progressed: list[int] | None = None,
+                  attention: dict[int, str] | None = None) -> dict[int, str]:
         """Renew the session's leases (see :meth:`worker.store.PostgresStore.heartbeat`)."""
-        rows = self._rpc("heartbeat", {"p_session": str(session), "p_tasks": tasks})
+        rows = self._rpc("heartbeat", {"p_session": str(session), "p_tasks": tasks, "p_progressed": progressed,
+                                       "p_attention": ({str(k): v for k, v in attention.items()}
+                                                       if attention is not None else None)})
         return {int(r["task_id"]): str(r["status"]) for r in rows or []}
+
+    def stalled_tasks(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in self._rpc("stalled_tasks", {}) or []]
+
+    def task_spend(self, task: int) -> tuple[float, int]:
+        row = self._rpc("task_spend", {"p_task": task})[0]
+        return float(row["cost_usd"]), int(row["tokens"])
+
+    def set_task_budget(self, task: int, max_cost_usd: float | None = None, max_tokens: int | None = None) -> str:
+        return str(self._rpc("set_task_budget", {"p_task": task, "p_max_cost_usd": max_cost_usd,
+                                                 "p_max_tokens": max_tokens}))
+
+    def review_approve(self, task: int, note: str | None = None) -> str:
+        return str(self._rpc("review_approve", {"p_task": task, "p_note": note}, idempotent=False))
+
+    def review_reject(self, task: int, note: str) -> str:
+        return str(self._rpc("review_reject", {"p_task": task, "p_note": note}, idempotent=False))
+
+    def lease_held(self, task: int, token: UUID) -> tuple[bool, str]:
+        """See :meth:`worker.store.PostgresStore.lease_held`."""
+        rows = self._rpc("lease_held", {"p_task": task, "p_token": str(token)})
+        return bool(rows[0]["held"]), str(rows[0]["state"])
 
     def checkpoint(self, task: int, token: UUID, data: Any) -> int:
         return int(self._rpc("checkpoint", {"p_task": task, "p_token": str(token), "p_data": data}))
@@ -235,9 +271,39 @@ class SupabaseStore(NamedReads):
         return str(self._rpc("complete", {"p_task": task, "p_token": str(token), "p_result": result},
                              idempotent=False))
 
-    def fail(self, task: int, token: UUID, error: str, retryable: bool = True) -> str:
+    def complete_many(self, items: Sequence[CompleteItem]) -> dict[int, str]:
+        """Complete many tasks, each fenced by its token (see :meth:`worker.store.PostgresStore.complete_many`)."""
+        if not items:
+            return {}
+        results = [i[2] if len(i) > 2 else None for i in items]
+        rows = self._rpc("complete_many", {
+            "p_tasks": [i[0] for i in items], "p_tokens": [str(i[1]) for i in items],
+            "p_results": results if any(r is not None for r in results) else None}, idempotent=False)
+        return {int(r["task_id"]): str(r["status"]) for r in rows or []}
+
+    def fail(self, task: int, token: UUID, error: str, retryable: bool = True, reason: str | None = None) -> str:
         return str(self._rpc("fail", {"p_task": task, "p_token": str(token), "p_error": error,
-                                      "p_retryable": retryable}, idempotent=False))
+                                      "p_retryable": retryable, "p_reason": reason}, idempotent=False))
+
+    def block(self, task: int, token: UUID, reason: str, evidence: str | None = None) -> str:
+        return str(self._rpc("block", {"p_task": task, "p_token": str(token), "p_reason": reason,
+                                       "p_evidence": evidence}, idempotent=False))
+
+    def throttle(self, task: int, token: UUID, until: datetime | None = None, note: str | None = None,
+                 after_seconds: float | None = None) -> datetime:
+        value = self._rpc("throttle", {"p_task": task, "p_token": str(token),
+                                       "p_until": until.isoformat() if until else None, "p_note": note,
+                                       "p_after_seconds": after_seconds}, idempotent=False)
+        return datetime.fromisoformat(str(value))
+
+    def resume(self, task: int) -> str:
+        return str(self._rpc("resume", {"p_task": task}, idempotent=False))
+
+    def sync_pool(self, name: str, slots: int | None) -> str:
+        return str(self._rpc("sync_pool", {"p_name": name, "p_slots": slots}))
+
+    def sync_profile(self, name: str, pool: str | None, models: dict[str, str]) -> str:
+        return str(self._rpc("sync_profile", {"p_name": name, "p_pool": pool, "p_models": models}))
 
     def hand_off(self, task: int, token: UUID, snapshot: dict[str, Any]) -> str:
         return str(self._rpc("hand_off", {"p_task": task, "p_token": str(token), "p_snapshot": snapshot},
@@ -272,6 +338,23 @@ class SupabaseStore(NamedReads):
     def declare_session_lost(self, session: UUID, reason: str) -> list[RepairAction]:
         rows = self._rpc("declare_session_lost", {"p_session": str(session), "p_reason": reason})
         return [RepairAction.model_validate(r) for r in rows or []]
+
+    # -- workspaces (see :class:`worker.store.PostgresStore`)
+
+    def touch_workspace(self, task: int, token: UUID, host: str, path: str, size: int | None = None) -> int:
+        return int(self._rpc("touch_workspace", {"p_task": task, "p_token": str(token), "p_host": host,
+                                                 "p_path": path, "p_bytes": size}))
+
+    def workspaces_to_reap(self, host: str, limit: int = 100) -> list[dict[str, Any]]:
+        rows = self._rpc("workspaces_to_reap", {"p_host": host, "p_limit": limit})
+        return [_times(dict(r)) for r in rows or []]
+
+    def workspace_reaped(self, workspace: int, bytes_freed: int | None = None) -> bool:
+        return bool(self._rpc("workspace_reaped", {"p_id": workspace, "p_bytes_freed": bytes_freed}))
+
+    def workspace_usage(self) -> list[dict[str, Any]]:
+        return self._rows("workspace_usage", lambda c: c.table("workspace_usage").select("*")
+                          .order("lane").order("host"))
 
     # -- reads
 

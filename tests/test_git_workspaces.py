@@ -1,0 +1,118 @@
+"""Git workspaces through real shifts (issue #10, item 1): a lane with a `repo` runs each task in a
+worktree of the host's mirror on branch fleet/<lane>/<key>, cut from `base` at its first claim;
+the scripted agent makes real commits; later attempts on the host reuse the worktree; hand-offs
+and completions push the branch; the reaper prunes the worktree of a reaped workspace."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from fleetkit import Backend, Fleet, lane_defaults
+
+from monitor.reconcile import reap_workspaces
+from worker import gitws
+
+TESTER = ("tester", "tester@example.com")
+
+
+def git(*args: str, cwd: Path | None = None) -> str:
+    proc = subprocess.run(["git", *args], cwd=cwd, env=gitws.git_env(TESTER), capture_output=True, text=True,
+                          timeout=30, check=False)
+    assert proc.returncode == 0, f"git {' '.join(args)}: {proc.stderr}"
+    return proc.stdout.strip()
+
+
+@pytest.fixture
+def origin(tmp_path: Path) -> Path:
+    seed = tmp_path / "seed"
+    git("init", "-q", "-b", "main", str(seed))
+    (seed / "README.md").write_text("hello\n")
+    git("add", "README.md", cwd=seed)
+    git("commit", "-q", "-m", "initial", cwd=seed)
+    bare = tmp_path / "origin.git"
+    git("clone", "-q", "--bare", str(seed), str(bare))
+    return bare
+
+
+@pytest.fixture
+def git_fleet(backend: Backend, tmp_path: Path, origin: Path):
+    made: list[Fleet] = []
+
+    def make(**lane: object) -> Fleet:
+        f = Fleet(backend, tmp_path, {"code": lane_defaults(**{"repo": str(origin), "base": "main", **lane})})
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def log_of(origin: Path, branch: str) -> list[str]:
+    return git("--git-dir", str(origin), "log", "--format=%s", branch).splitlines()
+
+
+def test_a_task_works_in_a_worktree_on_its_branch_and_the_branch_is_pushed(git_fleet, origin: Path) -> None:
+    fleet = git_fleet()
+    task = fleet.enqueue("code", "issue-7", {"steps": 2, "sleep": 0.02, "commit": "notes.txt"})
+
+    fleet.run_shift("code")
+
+    assert fleet.task(task)["state"] == "done"
+    ws = fleet.workspace("code", "issue-7")
+    assert git("rev-parse", "--abbrev-ref", "HEAD", cwd=ws) == "fleet/code/issue-7"
+    assert log_of(origin, "fleet/code/issue-7") == [
+        "issue-7: step 2/2 (attempt 1)", "issue-7: step 1/2 (attempt 1)", "initial"]
+    assert log_of(origin, "main") == ["initial"], "the base is never written"
+    # the hidden files are not part of the work
+    assert git("status", "--porcelain", cwd=ws) == ""
+    assert (ws / ".fleet" / "task.json").exists()
+
+
+def test_a_retried_task_finds_its_earlier_commits_and_a_hand_off_pushes_them(git_fleet, origin: Path) -> None:
+    fleet = git_fleet()
+    retried = fleet.enqueue("code", "retried", {"steps": 1, "sleep": 0.02, "commit": "a.txt", "fail_attempts": 1})
+    handed = fleet.enqueue("code", "handed", {"steps": 2, "sleep": 0.02, "commit": "b.txt", "steps_per_shift": 1})
+
+    fleet.run_shift("code", max_tasks=2)  # retried: commits step 1 and fails; handed: one step, exit 75
+    assert fleet.task(retried)["state"] == "queued" and fleet.task(handed)["state"] == "queued"
+    assert log_of(origin, "fleet/code/handed")[0] == "handed: step 1/2 (attempt 1)", "pushed at the hand-off"
+    fleet.run_shift("code", max_tasks=2)
+
+    assert [fleet.task(i)["state"] for i in (retried, handed)] == ["done", "done"]
+    # attempt 2 resumed from its checkpoint in the same worktree, on top of attempt 1's commit
+    history = git("log", "--format=%s", cwd=fleet.workspace("code", "retried")).splitlines()
+    assert history == ["retried: step 1/1 (attempt 1)", "initial"]
+    assert log_of(origin, "fleet/code/retried") == history, "pushed when done"
+    assert [r["attempt"] for r in fleet.runs(retried)] == [1, 2]
+    assert log_of(origin, "fleet/code/handed")[:2] == ["handed: step 2/2 (attempt 2)", "handed: step 1/2 (attempt 1)"]
+
+
+def test_an_unreachable_repo_fails_the_attempt_with_the_git_error(git_fleet, tmp_path: Path) -> None:
+    fleet = git_fleet(repo=str(tmp_path / "no-such-repo.git"))
+    task = fleet.enqueue("code", "t", {"steps": 1})
+    fleet.run_shift("code", max_tasks=1)
+    row = fleet.task(task)
+    assert row["state"] == "queued" and row["failures"] == 1
+    assert "could not prepare the git worktree" in row["last_error"] and "no-such-repo" in row["last_error"]
+    assert fleet.runs(task)[0]["outcome"] == "failed"
+
+
+def test_the_reaper_removes_a_finished_tasks_worktree_and_prunes_it(git_fleet, origin: Path) -> None:
+    fleet = git_fleet(workspace_retention="1s")
+    fleet.enqueue("code", "old", {"steps": 1, "sleep": 0.02, "commit": "c.txt"})
+    fleet.run_shift("code")
+    ws = fleet.workspace("code", "old")
+    fleet.sql("update fleet.tasks set finished_at = now() - interval '1 hour' where key = 'old'")
+    fleet.sql("update fleet.workspaces set last_used_at = now() - interval '1 hour'")
+
+    actions = reap_workspaces(fleet.monitor_store, fleet.cfg)
+
+    assert [a.action for a in actions] == ["workspace_reaped"]
+    assert not ws.exists()
+    mirror = gitws.Mirror(fleet.cfg.path(fleet.cfg.fleet.git_cache), str(origin))
+    listed = git("--git-dir", str(mirror.path), "worktree", "list", "--porcelain")
+    assert str(ws) not in listed, "the worktree is pruned from the mirror"
+    assert log_of(origin, "fleet/code/old")[0] == "old: step 1/1 (attempt 1)", "the branch keeps the work"

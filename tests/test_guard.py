@@ -1,0 +1,429 @@
+"""Fenced side effects (issue #9 item 5): ``fleet guard -- CMD`` runs CMD only while the task's
+lease holds, asked of the database at that moment through the shift; else exit 77 and CMD never runs.
+
+The end-to-end tests run a real shift (both back-ends) whose agent, a small script written into the
+test's folder, calls ``fleet guard`` the way an agent would — found on its PATH, which the test
+strips of lanefleet's virtualenv so that only what the shift provides can make it work. The lease is
+then repaired away while the agent still runs, and the agent's next guarded command is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from fleetkit import ROOT, Backend, Fleet, lane_defaults, wait_for
+
+from worker import guard as guard_mod
+from worker.errors import DatabaseUnavailable
+from worker.guard import EX_NOPERM, GuardServer, ask, private_run_dir
+from worker.shift import Shift, ShiftSummary
+
+# The scripted agent: two guarded commands while the lease holds (one exits 0, one exits 3), then it
+# waits for the test to repair the lease away and tries a third. Each guarded command writes its
+# marker; what `fleet guard` returned is kept in guard-<n>.json.
+AGENT = r'''
+import json, os, subprocess, sys, time
+from pathlib import Path
+
+task = json.loads(Path(".fleet/task.json").read_text())
+out = Path(task["payload"]["dir"])
+keep = ("FLEET_GUARD_SOCKET", "FLEET_LEASE_TOKEN", "FLEET_BIN", "FLEET_TASK_ID", "PATH")
+(out / "env.json").write_text(json.dumps({k: os.environ.get(k) for k in keep}))
+
+
+def guarded(n, code):
+    marker = out / f"marker-{n}"
+    cmd = ["fleet", "guard", "--", sys.executable, "-c",
+           f"import pathlib, sys; pathlib.Path({str(marker)!r}).write_text('x'); print('cmd {n} ran'); sys.exit({code})"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        got = {"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
+    except OSError as exc:  # `fleet` is not on this PATH
+        got = {"rc": None, "stdout": "", "stderr": repr(exc)}
+    (out / f"guard-{n}.json").write_text(json.dumps(got))
+
+
+guarded(1, 0)
+guarded(2, 3)
+(out / "phase1").write_text("done")
+deadline = time.monotonic() + 90
+while not (out / "go").exists():
+    if time.monotonic() > deadline:
+        sys.exit(1)
+    time.sleep(0.02)
+guarded(3, 0)
+(out / "phase2").write_text("done")
+'''
+
+
+def run_in_thread(shift: Shift) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["summary"] = shift.run()
+        except BaseException as exc:
+            out["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, out
+
+
+def joined(t: threading.Thread, out: dict[str, Any], timeout: float = 60) -> ShiftSummary:
+    t.join(timeout)
+    assert not t.is_alive(), "the shift did not end"
+    if "error" in out:
+        raise out["error"]
+    return out["summary"]
+
+
+def result(out: Path, n: int) -> dict[str, Any]:
+    return json.loads((out / f"guard-{n}.json").read_text())
+
+
+def bare_env(**fleet: str) -> dict[str, str]:
+    """This process's environment without any FLEET_* (or database) variable, plus ``fleet``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_") and k != "DATABASE_URL"}
+    env.update(fleet)
+    return env
+
+
+def fleet_guard(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "monitor.cli", "guard", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def write_marker(path: Path, code: int = 0) -> list[str]:
+    """A command that writes ``path``, prints a line and exits ``code``."""
+    return [sys.executable, "-c",
+            f"import pathlib, sys; pathlib.Path({str(path)!r}).write_text('x'); print('ran'); sys.exit({code})"]
+
+
+# -- 1. through a real shift
+
+
+REPAIRS = {
+    # how the lease is taken away while the agent runs → what the refusal must say
+    "cancelled": "the task is cancelled now",
+    "session-lost": "the task is queued now",  # the monitor's repair: the task went back to the queue
+    "expired": "its lease expired",  # not repaired yet: the database's clock alone says no
+}
+
+
+@pytest.mark.parametrize("repair", list(REPAIRS))
+def test_guard_runs_the_command_while_the_lease_holds_and_refuses_after_it_is_repaired_away(
+        backend: Backend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, repair: str) -> None:
+    script = tmp_path / "guarded_agent.py"
+    script.write_text(AGENT)
+    out = tmp_path / "out"
+    out.mkdir()
+    # a long lease: no heartbeat (every 20 s) notices the repair and kills the agent before it asks
+    f = Fleet(backend, tmp_path, {"work": lane_defaults(command=["python", str(script), "{prompt_file}"],
+                                                        lease_seconds=60)})
+    # the agent's PATH has no lanefleet on it: `fleet` is found only through what the shift adds
+    bare = os.pathsep.join(p for p in ("/usr/local/bin", "/usr/bin", "/bin") if Path(p).is_dir())
+    assert shutil.which("fleet", path=bare) is None
+    monkeypatch.setenv("PATH", bare)
+    try:
+        task_id = f.enqueue("work", "guarded:1", {"dir": str(out)})
+        shift = f.shift("work", max_tasks=1, max_seconds=90)
+        thread, res = run_in_thread(shift)
+        wait_for("the agent's guarded commands", lambda: (out / "phase1").exists() or not thread.is_alive(),
+                 timeout=60)
+
+        env = json.loads((out / "env.json").read_text())
+        sock = Path(env["FLEET_GUARD_SOCKET"])
+        assert len(str(sock)) < 108 and stat.S_ISSOCK(sock.stat().st_mode)
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+        assert env["FLEET_LEASE_TOKEN"] == str(f.task(task_id)["lease_token"])
+        assert os.access(env["FLEET_BIN"], os.X_OK)
+        assert env["PATH"].endswith(os.pathsep + bare)
+
+        first, second = result(out, 1), result(out, 2)
+        assert first["rc"] == 0, first
+        assert (out / "marker-1").exists()
+        assert (second["rc"], second["stdout"]) == (3, "cmd 2 ran\n"), second  # CMD's exit code and output
+        assert (out / "marker-2").exists()
+
+        if repair == "cancelled":
+            assert f.monitor_store.cancel(task_id) == "cancelled"
+        elif repair == "session-lost":
+            f.sql("select * from fleet.declare_session_lost(%s, 'test: the host vanished')", (shift.session,))
+            assert f.task(task_id)["state"] == "queued"
+        else:
+            f.sql("update fleet.tasks set lease_expires_at = now() - interval '1 second' where id = %s",
+                  (task_id,))
+        (out / "go").write_text("go")
+        wait_for("the agent's guarded command after the repair", lambda: (out / "phase2").exists(), timeout=60)
+        third = result(out, 3)
+        assert third["rc"] == EX_NOPERM, third
+        assert not (out / "marker-3").exists()
+        assert f"task {task_id} (guarded:1)" in third["stderr"], third["stderr"]
+        assert REPAIRS[repair] in third["stderr"], third["stderr"]
+        assert "not run (exit 77)" in third["stderr"] and third["stderr"].count("\n") == 1
+        assert third["stdout"] == ""
+
+        summary = joined(thread, res)
+        assert summary.claimed == 1
+        assert not sock.exists() and not sock.parent.exists()  # the shift took its socket away
+    finally:
+        f.close()
+
+
+# -- 2. the agent's side without a shift
+
+
+def test_outside_a_task_or_without_a_shift_guard_refuses_with_77(tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    cmd = ["--", *write_marker(marker)]
+    token = str(uuid.uuid4())
+
+    p = fleet_guard(*cmd, env=bare_env())
+    assert p.returncode == EX_NOPERM
+    assert "not inside a fleet task" in p.stderr and "not run (exit 77)" in p.stderr
+
+    p = fleet_guard(*cmd, env=bare_env(FLEET_TASK_ID="41", FLEET_LEASE_TOKEN=token,
+                                       FLEET_GUARD_SOCKET=str(tmp_path / "no.sock")))
+    assert p.returncode == EX_NOPERM
+    assert "task 41: the shift is gone" in p.stderr, p.stderr
+
+    p = fleet_guard(*cmd, env=bare_env(FLEET_TASK_ID="41", FLEET_TASK_KEY="issue:41", FLEET_LEASE_TOKEN=token))
+    assert p.returncode == EX_NOPERM
+    assert "task 41 (issue:41): the shift is gone or runs no guard" in p.stderr, p.stderr
+
+    p = fleet_guard("--quiet", *cmd, env=bare_env())
+    assert (p.returncode, p.stderr) == (EX_NOPERM, "")
+    assert not marker.exists()
+
+
+class FakeStore:
+    """lease_held answers what the test says (or raises it); every call is recorded."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+        self.calls: list[tuple[int, uuid.UUID]] = []
+
+    def lease_held(self, task: int, token: uuid.UUID) -> tuple[bool, str]:
+        self.calls.append((task, token))
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def deep_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A temporary directory far too deep for an AF_UNIX socket path."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    return deep
+
+
+def test_guard_server_socket_is_private_short_and_removed_on_stop(deep_tmp: Path) -> None:
+    assert tempfile.gettempdir() == str(deep_tmp)
+    server = GuardServer(FakeStore((True, "running")))  # type: ignore[arg-type]
+    server.start()
+    try:
+        assert server.running and server.socket_path is not None
+        sock = server.socket_path
+        assert len(str(sock)) <= 100 and not str(sock).startswith(str(deep_tmp))
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+        assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
+        env = server.agent_env(uuid.UUID(int=7), "/usr/bin")
+        assert env["FLEET_GUARD_SOCKET"] == str(sock)
+        assert env["FLEET_LEASE_TOKEN"] == str(uuid.UUID(int=7))
+        assert env["PATH"] == f"{sock.parent / 'bin'}{os.pathsep}/usr/bin"
+        assert server.agent_env(None, None)["PATH"] == f"{sock.parent / 'bin'}{os.pathsep}{os.defpath}"
+        assert os.path.realpath(sock.parent / "bin" / "fleet") == os.path.realpath(env["FLEET_BIN"])
+        assert ask(str(sock), 1, str(uuid.UUID(int=7)), 5) == {"held": True, "state": "running", "error": None}
+    finally:
+        server.stop()
+    assert not sock.exists() and not sock.parent.exists()
+    assert server.agent_env(None, None)["FLEET_GUARD_SOCKET"] == ""
+    server.stop()  # idempotent
+
+
+def test_guard_passes_the_command_through_when_held(tmp_path: Path) -> None:
+    store = FakeStore((True, "running"))
+    server = GuardServer(store, tmp_path / "g.sock")  # type: ignore[arg-type]
+    server.start()
+    try:
+        marker, token = tmp_path / "marker", uuid.uuid4()
+        env = bare_env(FLEET_TASK_ID="9", FLEET_LEASE_TOKEN=str(token), FLEET_GUARD_SOCKET=str(tmp_path / "g.sock"))
+        p = fleet_guard("--", *write_marker(marker, 3), env=env)
+        assert (p.returncode, p.stdout, p.stderr) == (3, "ran\n", "")
+        assert marker.exists()
+        assert store.calls == [(9, token)]
+        # options end at CMD: `-c` and what follows are the command's
+        p = fleet_guard(sys.executable, "-c", "import sys; print(sys.argv[1:]); sys.exit(5)", "-q", "--x",
+                        env=env)
+        assert (p.returncode, p.stdout) == (5, "['-q', '--x']\n"), p.stderr
+        q = subprocess.run([sys.executable, "-m", "monitor.cli", "guard", "--", sys.executable, "-c",
+                            "import sys; print(sys.stdin.read().upper())"],
+                           cwd=ROOT, env=env, input="from stdin", capture_output=True, text=True, timeout=60)
+        assert (q.returncode, q.stdout) == (0, "FROM STDIN\n")
+        p = fleet_guard("--", "no-such-command-anywhere", env=env)
+        assert p.returncode == 127 and "command not found" in p.stderr
+    finally:
+        server.stop()
+    assert not (tmp_path / "g.sock").exists()
+    p = fleet_guard("--", *write_marker(tmp_path / "late"), env=env)
+    assert p.returncode == EX_NOPERM and "task 9: the shift is gone" in p.stderr
+    assert not (tmp_path / "late").exists()
+
+
+@pytest.mark.parametrize(("answer", "says"), [
+    (DatabaseUnavailable("the database is unreachable: connection refused"),
+     "the lease could not be confirmed (the database is unreachable: connection refused)"),
+    ((False, "running"), "lease lost: its lease expired or another worker holds the task now"),
+    ((False, "done"), "lease lost: the task is done now"),
+    ((False, "unknown"), "lease lost: the task no longer exists"),
+])
+def test_guard_refuses_when_not_held_or_unknown(tmp_path: Path, answer: Any, says: str) -> None:
+    server = GuardServer(FakeStore(answer), tmp_path / "g.sock")  # type: ignore[arg-type]
+    server.start()
+    try:
+        marker = tmp_path / "marker"
+        env = bare_env(FLEET_TASK_ID="12", FLEET_LEASE_TOKEN=str(uuid.uuid4()),
+                       FLEET_GUARD_SOCKET=str(tmp_path / "g.sock"))
+        p = fleet_guard("--", *write_marker(marker), env=env)
+        assert p.returncode == EX_NOPERM
+        assert p.stderr.startswith(f"fleet guard: task 12: {says}; "), p.stderr
+        assert not marker.exists()
+    finally:
+        server.stop()
+
+
+def test_guard_server_answers_a_bad_request_with_not_held(tmp_path: Path) -> None:
+    import socket
+
+    store = FakeStore((True, "running"))
+    server = GuardServer(store, tmp_path / "g.sock")  # type: ignore[arg-type]
+    server.start()
+    try:
+        for line in (b"not json\n", b'{"task": "x", "token": "y"}\n', b'{"task": 1}\n', b"[]\n"):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(5)
+                s.connect(str(tmp_path / "g.sock"))
+                s.sendall(line)
+                answer = json.loads(s.makefile().readline())
+            assert answer["held"] is False and answer["error"].startswith("bad request"), (line, answer)
+        assert store.calls == []
+    finally:
+        server.stop()
+
+
+def test_private_run_dir_is_short_under_a_deep_tmpdir(deep_tmp: Path) -> None:
+    d = private_run_dir()
+    try:
+        assert len(str(d / "guard.sock")) <= 100
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    finally:
+        d.rmdir()
+
+
+def test_run_dirs_of_dead_shifts_are_swept_and_no_other(tmp_path: Path) -> None:
+    import socket
+
+    base = Path(tempfile.mkdtemp(prefix="lf-sweep-", dir="/tmp"))  # short: sockets live in it
+    old = time.time() - 3600
+
+    def run_dir(name: str, *, dead_socket: bool = True, extra: str | None = None, age: float = old) -> Path:
+        d = base / name
+        (d / "bin").mkdir(parents=True)
+        if dead_socket:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.bind(str(d / "guard.sock"))  # bound, then closed: nobody listens
+        if extra:
+            (d / extra).write_text("not ours")
+        os.utime(d, (age, age))
+        return d
+
+    try:
+        dead = run_dir("lanefleet-guard-dead0001")
+        no_socket = run_dir("lanefleet-guard-nosock01", dead_socket=False)
+        young = run_dir("lanefleet-guard-young001", age=time.time())
+        foreign = run_dir("lanefleet-guard-foreign1", extra="notes.txt")
+        other = run_dir("lanefleet-other-dead0001")
+        (base / "lanefleet-guard-afile").write_text("a file")
+        live = GuardServer(FakeStore((True, "running")), base / "lanefleet-guard-live0001" / "guard.sock")  # type: ignore[arg-type]
+        live.start()
+        try:
+            os.utime(base / "lanefleet-guard-live0001", (old, old))
+            removed = guard_mod.sweep_stale(base)
+            assert sorted(removed) == sorted([dead, no_socket])
+            assert not dead.exists() and not no_socket.exists()
+            assert young.exists() and foreign.exists() and other.exists()
+            assert (base / "lanefleet-guard-afile").exists()
+            assert ask(str(live.socket_path), 1, str(uuid.uuid4()), 5)["held"] is True  # untouched, still serving
+        finally:
+            live.stop()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+# -- 3. the SQL function and its security
+
+
+def test_lease_held_in_sql_and_its_security(conn: psycopg.Connection) -> None:
+    for lane in ("docs", "bugfix"):
+        conn.execute("select fleet.sync_lane(%s, '{}')", (lane,))
+    conn.execute("select fleet.enqueue('bugfix', 'bugfix:1')")
+    s = conn.execute("select fleet.open_session('bugfix', 'h', 1, null, 600)").fetchone()[0]
+    task, token = conn.execute("select id, lease_token from fleet.claim(%s, 1)", (s,)).fetchone()
+
+    def held(tok: Any, task_id: int = task) -> tuple[bool, str]:
+        return conn.execute("select held, state from fleet.lease_held(%s, %s)", (task_id, tok)).fetchone()
+
+    assert held(token) == (True, "running")
+    assert held(uuid.uuid4()) == (False, "running")
+    assert held(None) == (False, "running")
+    assert held(token, task + 1000) == (False, "unknown")
+    conn.execute("update fleet.tasks set lease_expires_at = now() - interval '1 millisecond' where id = %s", (task,))
+    assert held(token) == (False, "running")  # expired by the database's clock, not repaired yet
+    conn.execute("update fleet.tasks set lease_expires_at = now() + interval '1 minute' where id = %s", (task,))
+    assert held(token) == (True, "running")
+    assert conn.execute("select fleet.cancel(%s)", (task,)).fetchone()[0] == "cancelled"
+    assert held(token) == (False, "cancelled")
+
+    # the rules of 20261130100400_fleet_roles_rls.sql
+    definer, config, volatile = conn.execute(
+        "select prosecdef, proconfig, provolatile from pg_proc where oid = 'fleet.lease_held(bigint, uuid)'::regprocedure"
+    ).fetchone()
+    assert (definer, config, volatile) == (True, ["search_path=pg_catalog, fleet, pg_temp"], "s")
+    may = {role: conn.execute("select has_function_privilege(%s, 'fleet.lease_held(bigint, uuid)', 'execute')",
+                              (role,)).fetchone()[0]
+           for role in ("fleet_worker", "service_role", "anon", "authenticated", "fleet_operator")}
+    assert may == {"fleet_worker": True, "service_role": True, "anon": False, "authenticated": False,
+                   "fleet_operator": False}
+    public = conn.execute("""select exists (select 1 from pg_proc p, aclexplode(p.proacl) a
+                               where p.oid = 'fleet.lease_held(bigint, uuid)'::regprocedure
+                                 and a.grantee = 0)""").fetchone()[0]
+    assert public is False
+
+    # a key for the docs lane may not ask about a bugfix task; one for bugfix may
+    for lanes, ok in ((["docs"], False), (["bugfix"], True)):
+        with conn.transaction(force_rollback=True):
+            conn.execute("select set_config('role', 'fleet_worker', true)")
+            conn.execute("select set_config('request.jwt.claims', %s, true)",
+                         (json.dumps({"role": "fleet_worker", "fleet_lanes": lanes}),))
+            if ok:
+                assert held(token) == (False, "cancelled")
+            else:
+                with pytest.raises(psycopg.Error) as err:
+                    held(token)
+                assert err.value.sqlstate == "LF008"
