@@ -21,7 +21,11 @@ from worker.migrate import migrate
 
 API = {"enqueue_task", "enqueue", "enqueue_after", "open_session", "claim", "heartbeat", "checkpoint", "complete",
        "fail", "hand_off", "route", "record_run", "close_session", "cancel", "retry", "sync_lane", "reconcile",
-       "declare_session_lost", "schema_versions"}
+       "declare_session_lost", "schema_versions",
+       # dispatch and guard rails (#8, #9) and the bulk calls (#7)
+       "block", "throttle", "resume", "sync_pool", "sync_profile", "task_spend", "set_task_budget",
+       "review_approve", "review_reject", "stalled_tasks", "lease_held", "enqueue_many", "complete_many",
+       "touch_workspace", "workspaces_to_reap", "workspace_reaped"}
 
 
 def test_every_fleet_function_is_closed_to_public(conn: psycopg.Connection) -> None:
@@ -133,11 +137,38 @@ def test_lane_checks_on_this_server(conn: psycopg.Connection, world: dict[str, A
         ("select fleet.record_run(%s, '{}')", (world["token"],)),
         ("select fleet.close_session(%s, 'x', '{}')", (world["session"],)),
         ("select * from fleet.declare_session_lost(%s, 'x')", (world["session"],)),
+        ("select fleet.block(%s, %s, 'budget')", (world["task"], world["token"])),
+        ("select fleet.throttle(%s, %s)", (world["task"], world["token"])),
+        ("select * from fleet.task_spend(%s)", (world["task"],)),
+        ("select * from fleet.complete_many(array[%s]::bigint[], array[%s]::uuid[])", (world["task"], world["token"])),
+        ("select * from fleet.enqueue_many('bugfix', '[{\"key\": \"y\"}]')", ()),
+        ("select * from fleet.lease_held(%s, %s)", (world["task"], world["token"])),
     ]
     for query, params in calls:
         with pytest.raises(psycopg.Error) as err, as_key(conn, "fleet_worker", docs):
             conn.execute(query, params)
         assert err.value.sqlstate == "LF008", (query, err.value)
+    # a worker key may not do an operator's part at all (no grant: 42501)
+    for query, params in [("select fleet.resume(%s)", (world["task"],)),
+                          ("select fleet.review_approve(%s)", (world["task"],)),
+                          ("select fleet.review_reject(%s, 'no')", (world["task"],)),
+                          ("select fleet.set_task_budget(%s, 1)", (world["task"],)),
+                          ("select fleet.sync_pool('p', 1)", ()),
+                          ("select fleet.sync_profile('p', null, '{}')", ())]:
+        with pytest.raises(psycopg.Error) as err, as_key(conn, "fleet_worker", {"role": "fleet_worker", "fleet_lanes": ["*"]}):
+            conn.execute(query, params)
+        assert err.value.sqlstate == "42501", (query, err.value)
+    # an operator key limited to docs cannot resume, review or re-budget a bugfix task
+    for query in ("select fleet.resume(%s)", "select fleet.review_approve(%s)", "select fleet.set_task_budget(%s, 1)"):
+        with pytest.raises(psycopg.Error) as err, as_key(conn, "fleet_operator",
+                                                         {"role": "fleet_operator", "fleet_lanes": ["docs"]}):
+            conn.execute(query, (world["task"],))
+        assert err.value.sqlstate == "LF008", (query, err.value)
+    # anon: nothing
+    for query in ("select * from fleet.pool_overview", "select fleet.resume(1)", "select * from fleet.stalled_tasks()"):
+        with pytest.raises(psycopg.Error) as err, as_key(conn, "anon", {"role": "anon"}):
+            conn.execute(query)
+        assert err.value.sqlstate == "42501", (query, err.value)
     # RLS: the docs key reads docs rows only
     with as_key(conn, "fleet_worker", docs):
         assert conn.execute("select array_agg(distinct lane) from fleet.tasks").fetchone()[0] == ["docs"]
