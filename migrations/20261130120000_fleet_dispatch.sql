@@ -472,6 +472,25 @@ $$;
 ------------------------------------------------------------------------------------------------
 -- verify gates: a gate that could not judge blocks the task until an operator acts
 
+-- Lock a task for an operator's transition, or raise: LF003 if there is no such task, LF008 if
+-- the caller's key may not work its lane. (What cancel, retry, resume and the reviews share.)
+create or replace function fleet._lock_task(p_task bigint)
+returns fleet.tasks
+language plpgsql
+as $$
+declare
+    t fleet.tasks;
+begin
+    select * into t from fleet.tasks where id = p_task for no key update;
+    if not found then
+        perform fleet._raise('LF003', format('unknown task %s', p_task));
+    end if;
+    perform fleet._require_lane(t.lane);
+    return t;
+end
+$$;
+
+
 create or replace function fleet.block(p_task bigint, p_token uuid, p_reason text, p_evidence text default null)
 returns text
 language plpgsql
@@ -507,11 +526,7 @@ as $$
 declare
     t fleet.tasks;
 begin
-    select * into t from fleet.tasks where id = p_task for no key update;
-    if not found then
-        perform fleet._raise('LF003', format('unknown task %s', p_task));
-    end if;
-    perform fleet._require_lane(t.lane);
+    t := fleet._lock_task(p_task);
     if t.state <> 'blocked' then
         perform fleet._raise('LF004', format('task %s is %s: only blocked tasks can be resumed', p_task, t.state),
             'a dead or cancelled task is retried (`fleet retry`)');
@@ -535,11 +550,7 @@ as $$
 declare
     t fleet.tasks;
 begin
-    select * into t from fleet.tasks where id = p_task for no key update;
-    if not found then
-        perform fleet._raise('LF003', format('unknown task %s', p_task));
-    end if;
-    perform fleet._require_lane(t.lane);
+    t := fleet._lock_task(p_task);
     if t.state not in ('dead', 'cancelled', 'blocked') then
         perform fleet._raise('LF004',
             format('task %s is %s: only dead, cancelled or blocked tasks can be retried', p_task, t.state));
@@ -563,11 +574,7 @@ as $$
 declare
     t fleet.tasks;
 begin
-    select * into t from fleet.tasks where id = p_task for no key update;
-    if not found then
-        perform fleet._raise('LF003', format('unknown task %s', p_task));
-    end if;
-    perform fleet._require_lane(t.lane);
+    t := fleet._lock_task(p_task);
     if t.state = 'cancelled' then
         return 'cancelled';
     end if;
@@ -758,6 +765,9 @@ begin
     end loop;
 end
 $$;
+
+revoke execute on function fleet._lock_task from public;
+grant execute on function fleet._lock_task to service_role;
 
 revoke execute on function fleet.sync_pool, fleet.sync_profile, fleet._tiers, fleet._tier_for,
     fleet.enqueue_task, fleet.enqueue_after, fleet.fail, fleet.block, fleet.resume, fleet.throttle

@@ -175,11 +175,7 @@ begin
     if p_max_cost_usd < 0 or p_max_tokens < 0 then
         perform fleet._raise('LF005', 'a task budget must not be negative');
     end if;
-    select * into t from fleet.tasks where id = p_task for no key update;
-    if not found then
-        perform fleet._raise('LF003', format('unknown task %s', p_task));
-    end if;
-    perform fleet._require_lane(t.lane);
+    t := fleet._lock_task(p_task);
     update fleet.tasks
        set max_cost_usd = case when p_max_cost_usd is null then max_cost_usd else nullif(p_max_cost_usd, 0) end,
            max_tokens = case when p_max_tokens is null then max_tokens else nullif(p_max_tokens, 0) end,
@@ -608,11 +604,7 @@ declare
     t fleet.tasks;
     r fleet.runs;
 begin
-    select * into t from fleet.tasks where id = p_task for no key update;
-    if not found then
-        perform fleet._raise('LF003', format('unknown task %s', p_task));
-    end if;
-    perform fleet._require_lane(t.lane);
+    t := fleet._lock_task(p_task);
     if t.state <> 'review' then
         perform fleet._raise('LF004', format('task %s is %s: only tasks in review can be approved', p_task, t.state));
     end if;
@@ -640,11 +632,7 @@ begin
     if p_note is null or length(trim(p_note)) = 0 then
         perform fleet._raise('LF005', 'a rejection needs a note: it is what the next attempt is told');
     end if;
-    select * into t from fleet.tasks where id = p_task for no key update;
-    if not found then
-        perform fleet._raise('LF003', format('unknown task %s', p_task));
-    end if;
-    perform fleet._require_lane(t.lane);
+    t := fleet._lock_task(p_task);
     if t.state <> 'review' then
         perform fleet._raise('LF004', format('task %s is %s: only tasks in review can be rejected', p_task, t.state));
     end if;
