@@ -186,8 +186,13 @@ class LaneConfig(_Strict):
     # fleet/<lane>/<task key> cut from `base` at its first claim
     repo: str | None = None  # a path or any URL git can reach
     base: str = "main"
+    # batches (`fleet batch create`): after the last member, `batch_verify` runs in a worktree of
+    # the integration branch, then `ship` once (env FLEET_BATCH_MEMBERS: the landed keys)
+    batch_verify: list[str] | None = Field(default=None, min_length=1)
+    ship: list[str] | None = Field(default=None, min_length=1)
+    batch_size: int | None = Field(default=None, ge=2)  # compose batches of ready tasks (needs `repo`)
 
-    _split_command = field_validator("command", "verify", mode="before")(classmethod(lambda cls, v: _argv(v)))
+    _split_command = field_validator("command", "verify", "batch_verify", "ship", mode="before")(classmethod(lambda cls, v: _argv(v)))
     _placeholders = field_validator("command")(classmethod(lambda cls, v: _check_placeholders(v)))
 
     @field_validator("verify_timeout", "workspace_retention", mode="before")
@@ -229,6 +234,8 @@ class LaneConfig(_Strict):
     def _backoff(self) -> LaneConfig:
         if self.backoff_max_seconds < self.backoff_base_seconds:
             raise ValueError("backoff_max_seconds must be at least backoff_base_seconds")
+        if self.batch_size is not None and not self.repo:
+            raise ValueError("batch_size needs a repo: batch members land on a git integration branch")
         return self
 
     def shift_slots(self) -> int:

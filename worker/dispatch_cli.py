@@ -5,6 +5,7 @@ list|approve|reject``."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 import typer
@@ -79,15 +80,26 @@ def profiles(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
 def resume(
     ctx: typer.Context,
-    ref: TaskRef,
+    ref: Annotated[str | None, typer.Argument(help="task id or key")] = None,
     max_cost: Annotated[float | None, typer.Option("--max-cost", help="a new cost budget in USD (0: none)")] = None,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="a new token budget (0: none)")] = None,
+    batch: Annotated[int | None, typer.Option("--batch", help="resume a blocked batch: the next shift "
+                                              "continues its member (re-runs the gate, or the landing)")] = None,
 ) -> None:
     """Queue a blocked task again: blocked by its verify gate, only the gate runs again; blocked by
-    its budget, give it a new one (--max-cost / --max-tokens) or it blocks again at once."""
+    its budget, give it a new one (--max-cost / --max-tokens) or it blocks again at once.
+    ``--batch ID``: a blocked batch's carrier goes back to the queue."""
     from worker.cli import rt
 
     store = rt(ctx).store()
+    if batch is not None:
+        if ref is not None:
+            raise typer.BadParameter("give a task or --batch, not both")
+        state = store.batch_call("batch_resume", {"p_batch": batch})
+        console.print(f"batch {batch}: {state} (the next shift continues its member)")
+        return
+    if ref is None:
+        raise typer.BadParameter("name a task (id or key), or --batch ID")
     task = store.get_task(ref)
     if max_cost is not None or max_tokens is not None:
         store.set_task_budget(task.id, max_cost, max_tokens)
@@ -146,7 +158,62 @@ def review_reject(ctx: typer.Context, ref: TaskRef,
     console.print(f"task {task.id}: {store.review_reject(task.id, note)} (the note goes into its next prompt)")
 
 
+batch_app = typer.Typer(no_args_is_help=True, help="Batches: members of a lane run one after another, "
+                        "landed on one integration branch, shipped once.")
+
+
+@batch_app.command("create")
+def batch_create(
+    ctx: typer.Context,
+    lane: Annotated[str, typer.Argument(help="the lane (it must have a `repo`)")],
+    keys: Annotated[list[str], typer.Argument(help="the members' task keys, in the order they run")],
+    max_members: Annotated[int, typer.Option("--max", help="at most this many members")] = 4,
+    profile: Annotated[str | None, typer.Option("--profile", help="the dispatch profile of every member "
+                                                "and every recovery (default: the lane's)")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Make a batch of queued tasks of LANE: one slot, members run one after another in one shift."""
+    from worker.cli import emit_json, rt
+    from worker.errors import ConfigError
+
+    r = rt(ctx)
+    lane_cfg = r.cfg.lanes.get(lane)
+    if lane_cfg is not None and not lane_cfg.repo:
+        raise ConfigError(f"lane {lane} has no `repo`: a batch lands its members on a git integration branch",
+                          f"set [lanes.{lane}] repo = \"<path or URL>\" (and base) in fleet.toml")
+    batch_id = r.store().batch_call("batch_create", {"p_lane": lane, "p_keys": list(keys), "p_max": max_members,
+                                                     "p_profile": profile})
+    if as_json:
+        emit_json({"batch": batch_id, "lane": lane, "members": list(keys), "profile": profile})
+    else:
+        console.print(f"batch {batch_id}: {len(keys)} members in lane {lane} (carrier batch:{batch_id})")
+
+
+@batch_app.command("show")
+def batch_show(ctx: typer.Context, batch_id: Annotated[int, typer.Argument(help="the batch id")],
+               as_json: JsonOpt = False) -> None:
+    """A batch and its members: state, branch, landed range, gate, spend."""
+    from worker.cli import emit_json, rt
+
+    b = rt(ctx).store().batch_call("batch_get", {"p_batch": batch_id}, idempotent=True)
+    if as_json:
+        emit_json(b)
+        return
+    console.print(f"batch {b['id']} · lane {b['lane']} · {b['state']}"
+                  + (f" ({b['block_reason']})" if b.get("block_reason") else "")
+                  + f" · branch {b.get('integration_branch') or '-'} · profile {b.get('profile') or '-'}")
+    table = Table("n", "key", "state", "gate", "branch", "landed", "tokens", "cost")
+    for m in b["members"]:
+        landed = f"{str(m['landed_from'])[:10]}..{str(m['landed_to'])[:10]}" if m.get("landed_to") else ""
+        table.add_row(str(m["n"]), escape(m["key"]), m["state"], m.get("gate") or "", escape(m.get("branch") or ""),
+                      landed, str(m.get("tokens") or 0), f"${float(m.get('cost_usd') or 0):.4f}")
+    console.print(table)
+    if b.get("report", {}).get("ship"):
+        console.print(f"ship: {escape(json.dumps(b['report']['ship']))}")
+
+
 def register(root: typer.Typer) -> None:
     root.command("profiles")(profiles)
     root.command("resume")(resume)
     root.add_typer(review_app, name="review")
+    root.add_typer(batch_app, name="batch")

@@ -303,7 +303,8 @@ def guard(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no message when refused (still exit 77)")] = False,
     timeout: Annotated[float, typer.Option("--timeout", envvar="FLEET_GUARD_TIMEOUT", min=0.1,
                                            help="seconds to wait for the shift's answer")] = 20.0,
-    task: Annotated[str | None, typer.Option("--task", envvar="FLEET_TASK_ID",
+    # FLEET_GUARD_TASK first: in a batch member, the lease is the carrier's (worker.batch)
+    task: Annotated[str | None, typer.Option("--task", envvar=["FLEET_GUARD_TASK", "FLEET_TASK_ID"],
                                              help="the task (set by the shift)")] = None,
     token: Annotated[str | None, typer.Option("--token", envvar="FLEET_LEASE_TOKEN",
                                               help="its lease token (set by the shift)")] = None,

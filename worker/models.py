@@ -54,6 +54,8 @@ class Task(_Row):
     max_tokens: int | None = None
     review_note: str | None = None
     attention: str | None = None
+    kind: str = "task"  # 'batch': the task carries a batch (fleet.batches), run by worker.batch
+    batch_id: int | None = None  # a carrier's batch, or a member's while it is batched
 
 
 class Run(_Row):

@@ -123,6 +123,8 @@ class Shift:
         self.heartbeat_every = max(0.5, self.lane.lease_seconds / 3)
         self.workspaces = cfg.path(cfg.fleet.workspaces)
         self.jobs: dict[int, Job] = {}
+        # claimed batch carriers (task kind 'batch'), each run by its state machine (worker.batch)
+        self.batches: dict[int, Any] = {}
         # final calls (complete, fail, ...) that hit a connection failure: retried each loop until
         # answered; a retry is safe because the lease token fences it. Each keeps its slot busy.
         self.pending: dict[int, tuple[Callable[[], str], str]] = {}
@@ -180,7 +182,7 @@ class Shift:
                 if self._stop_reason is None:
                     if now >= self.deadline:
                         self._stop_reason = "deadline"
-                    elif self._budget_left() == 0 and not self.jobs and not self.pending:
+                    elif self._budget_left() == 0 and not self._busy():
                         self._stop_reason = "task-budget"
                 if self._stop_reason is not None:
                     break
@@ -191,7 +193,7 @@ class Shift:
                 if self._lost:  # the heartbeat or the claim found the session declared lost
                     self._stop_reason = "session-lost"
                     break
-                if self.once and not claimed and not self.jobs and not self.pending:
+                if self.once and not claimed and not self._busy():
                     self._stop_reason = "idle"
                     break
                 if not claimed:
@@ -201,16 +203,20 @@ class Shift:
             self._shutdown(self._stop_reason or "error")
         return self.summary
 
+    def _busy(self) -> bool:
+        return bool(self.jobs or self.pending or self.batches)
+
     def _budget_left(self) -> int | None:
         return None if self.max_tasks is None else max(0, self.max_tasks - self.summary.claimed)
 
     def _claim(self) -> list[Task]:
-        free = self.slots - len(self.jobs) - len(self.pending)
+        free = self.slots - len(self.jobs) - len(self.pending) - len(self.batches)
         budget = self._budget_left()
         if budget is not None:
             free = min(free, budget)
         if free <= 0:
             return []
+        self._compose_batch()
         try:
             tasks = self.store.claim(self.session, free)
         except SessionLost:
@@ -223,6 +229,20 @@ class Shift:
             self.summary.claimed += 1
             self._start(task)
         return tasks
+
+    def _compose_batch(self) -> None:
+        """A lane with ``batch_size`` (and a ``repo``): make a batch of its ready tasks before the
+        claim (fleet.batch_compose, in claim order; none when fewer than two are ready)."""
+        if not self.lane.batch_size or not self.lane.repo:
+            return
+        try:
+            batch = self.store.batch_call("batch_compose", {"p_lane": self.lane_name, "p_size": self.lane.batch_size,
+                                                            "p_profile": None})
+        except FleetError as exc:
+            self.log.warning("could not compose a batch", error=str(exc))
+            return
+        if batch is not None:
+            self.log.info("batch composed", batch=batch, size=self.lane.batch_size)
 
     # -- one task
 
@@ -237,6 +257,12 @@ class Shift:
         return self._instructions
 
     def _start(self, task: Task) -> None:
+        if task.kind == "batch":  # a batch carrier: its members run one after another (worker.batch)
+            from worker.batch import BatchRunner
+
+            self.batches[task.id] = BatchRunner(self, task)
+            self.log.info("batch claimed", task=task.id, batch=task.batch_id, attempt=task.attempts)
+            return
         log = self.log.bind(task=task.id, key=task.key, attempt=task.attempts)
         ws = workspace_for(self.workspaces, self.lane_name, task.key)
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
@@ -431,6 +457,10 @@ class Shift:
             self.log.warning("agent killed", task=job.task.id, reason=why)
 
     def _reap(self) -> None:
+        for task_id, runner in list(self.batches.items()):
+            runner.step()
+            if runner.done:
+                del self.batches[task_id]
         for task_id, job in list(self.jobs.items()):
             if job.gate_until is None:
                 job.usage.read(job.log_path)
@@ -620,12 +650,16 @@ class Shift:
     def _heartbeat(self) -> None:
         progressed, attention = self._progress()
         try:
-            statuses = self.store.heartbeat(self.session, [*self.jobs, *self.pending], progressed, attention)
+            progressed += [tid for tid, runner in self.batches.items() if runner.progressed()]
+            statuses = self.store.heartbeat(self.session, [*self.jobs, *self.pending, *self.batches], progressed,
+                                            attention)
         except SessionLost as exc:
             self.log.error("session lost: stopping every agent", error=str(exc))
             self._lost = True
             for job in self.jobs.values():
                 self._kill(job, "lost")
+            for runner in self.batches.values():
+                runner.lease_gone("lost")
             return
         except DatabaseUnavailable as exc:
             self.log.warning("heartbeat failed; will try again", error=str(exc))
@@ -636,19 +670,25 @@ class Shift:
                 self._kill(job, status)
             else:
                 self._store_checkpoint(job)
+        for task_id, runner in self.batches.items():
+            status = statuses.get(task_id, "lost")
+            if status != "ok":
+                runner.lease_gone(status)
 
     # -- the end of the shift
 
     def _shutdown(self, reason: str) -> None:
         self.summary.reason = reason
         self.log.info("shift ending", reason=reason, running=len(self.jobs))
-        if (self.jobs or self.pending) and not self._lost:
+        if self._busy() and not self._lost:
             for job in self.jobs.values():
                 job.stopping = True
                 job.agent.terminate()
+            for runner in self.batches.values():
+                runner.stop()
             grace_end = time.monotonic() + self.lane.grace_seconds
             next_heartbeat = time.monotonic() + self.heartbeat_every
-            while (self.jobs or self.pending) and time.monotonic() < grace_end:
+            while self._busy() and time.monotonic() < grace_end:
                 self._reap()
                 self._retry_pending()
                 if time.monotonic() >= next_heartbeat:  # keep the leases through the grace period
@@ -658,6 +698,13 @@ class Shift:
         for job in self.jobs.values():
             job.stopping = True
             job.agent.kill()
+        for runner in list(self.batches.values()):
+            runner.kill()
+            if runner.running is not None:
+                try:
+                    runner.running.proc.wait(10)
+                except Exception:
+                    self.log.error("supervisor did not exit", task=runner.task.id, pid=runner.running.proc.pid)
         for job in list(self.jobs.values()):
             try:
                 job.agent.wait(10)

@@ -158,6 +158,7 @@ class Store(Protocol):
     def throttle(self, task: int, token: UUID, until: datetime | None = None, note: str | None = None,
                  after_seconds: float | None = None) -> datetime: ...
     def resume(self, task: int) -> str: ...
+    def batch_call(self, fn: str, params: dict[str, Any], *, idempotent: bool = False) -> Any: ...
     def sync_pool(self, name: str, slots: int | None) -> str: ...
     def sync_profile(self, name: str, pool: str | None, models: dict[str, str]) -> str: ...
     def hand_off(self, task: int, token: UUID, snapshot: dict[str, Any]) -> str: ...
@@ -433,6 +434,20 @@ class PostgresStore(NamedReads):
 
     def resume(self, task: int) -> str:
         return str(self._one("select fleet.resume(%s)", (task,), idempotent=False))
+
+    def batch_call(self, fn: str, params: dict[str, Any], *, idempotent: bool = False) -> Any:
+        """One of the batch functions (worker.batch.BATCH_FUNCTIONS), with named arguments
+        (``p_carrier``, ``p_token``, ...); its one value."""
+        from psycopg import sql
+
+        from worker.batch import BATCH_FUNCTIONS
+
+        if fn not in BATCH_FUNCTIONS:
+            raise ValueError(f"not a batch function: {fn}")
+        args = sql.SQL(", ").join(sql.SQL("{} => {}").format(sql.Identifier(k), sql.Placeholder(k)) for k in params)
+        query = sql.SQL("select fleet.{}({})").format(sql.Identifier(fn), args)
+        values = {k: (_json(v) if isinstance(v, (dict, list)) and k not in ("p_keys",) else v) for k, v in params.items()}
+        return self._one(query, values, idempotent=idempotent)  # type: ignore[arg-type]
 
     def sync_pool(self, name: str, slots: int | None) -> str:
         return str(self._one("select fleet.sync_pool(%s, %s)", (name, slots)))

@@ -299,6 +299,15 @@ class SupabaseStore(NamedReads):
     def resume(self, task: int) -> str:
         return str(self._rpc("resume", {"p_task": task}, idempotent=False))
 
+    def batch_call(self, fn: str, params: dict[str, Any], *, idempotent: bool = False) -> Any:
+        """One of the batch functions (worker.batch.BATCH_FUNCTIONS) through PostgREST RPC."""
+        from worker.batch import BATCH_FUNCTIONS
+
+        if fn not in BATCH_FUNCTIONS:
+            raise ValueError(f"not a batch function: {fn}")
+        return self._rpc(fn, {k: (str(v) if isinstance(v, UUID) else v) for k, v in params.items()},
+                         idempotent=idempotent)
+
     def sync_pool(self, name: str, slots: int | None) -> str:
         return str(self._rpc("sync_pool", {"p_name": name, "p_slots": slots}))
 
