@@ -262,9 +262,9 @@ def agent_tree(shift_pid: int) -> dict[int, list[int]]:
 
 def wait_agents(shift_pid: int, n: int, timeout: float = 60) -> dict[int, list[int]]:
     """Wait until the shift runs ``n`` supervisors, each with its agent started."""
-    def ready() -> dict[int, list[int]] | None:
+    def ready() -> dict[int, list[int]]:
         tree = agent_tree(shift_pid)
-        return tree if len(tree) == n and all(tree.values()) else None
+        return tree if len(tree) == n and all(tree.values()) else {}
     return wait_for(f"{n} agents under shift {shift_pid}", ready, timeout=timeout)
 
 

@@ -1,7 +1,7 @@
 """Claim → complete latency with 1 and 32 concurrent claimers (issue #7, item 3), over both stores.
 
-    uv run python bench/latency.py             # 20 s per measurement (about 4 min)
-    uv run python bench/latency.py --quick     # 5 s per measurement (about 1.5 min)
+    uv run python bench/latency.py             # 20 s per row (about 6 min)
+    uv run python bench/latency.py --quick     # 5 s per row (about 3 min)
 
 Each claimer is a process of its own (as each shift is) with its own store and session; all start
 together (a barrier), make --warmup cycles, then cycles for --seconds: ``store.claim(session, 1)``,

@@ -1,7 +1,7 @@
 """What a shift costs besides its agents (issue #7, item 5): start-up, memory, heartbeat traffic.
 
     uv run python bench/overheads.py            # 5 starts per setting, 60 s heartbeat windows (about 5 min)
-    uv run python bench/overheads.py --quick    # 3 starts, 12 s windows with a 6 s lease (about 1 min)
+    uv run python bench/overheads.py --quick    # 3 starts, 12 s windows with a 6 s lease (about 2 min)
 
 Everything runs the real ``fleet shift`` in a fresh interpreter (``python -m monitor.cli shift``,
 what cron starts) against a scratch database on --url, with the scripted agent
@@ -104,7 +104,7 @@ def import_profile(b: FleetBench, env: dict[str, str]) -> tuple[float, dict[str,
     proc = b.spawn("shift", "--lane", "start", "--once", "--max-tasks", "1", env=env, python=["-X", "importtime"])
     err = b.wait(proc, 120)
     assert proc.returncode == 0, err[-2000:]
-    total, per_pkg, modules = 0.0, defaultdict(float), []
+    total, per_pkg, modules = 0.0, defaultdict[str, float](float), []
     for line in err.splitlines():
         m = IMPORT_LINE.match(line)
         if not m:
@@ -279,7 +279,7 @@ def part_heartbeat(b: FleetBench, seconds: float, lease: int) -> None:
     b.conn.execute(f'alter database "{dbname}" set track_functions = \'pl\'')
     log(f"   {'held tasks':32s} {'fleet.heartbeat':>15s} {'fleet.claim':>11s} {'other calls':>11s} "
         f"{'pool checks':>11s} {'statements':>10s} | server-counted fleet.heartbeat")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for held, slots, label in ((1, 1, "1 (slots 1)"), (16, 16, "16 (slots 16)"),
                                (1, 16, "1, 15 free slots, empty queue")):
         b.enqueue("beat", held, HANG)
@@ -288,7 +288,7 @@ def part_heartbeat(b: FleetBench, seconds: float, lease: int) -> None:
                        count_to=counts)
         pids: list[int] = []
         try:
-            b.expect(proc, f"{held} running", lambda h=held: b.count("beat") == h)
+            b.expect(proc, f"{held} running", lambda: b.count("beat") == held)  # noqa: B023
             pids = [p for s, kids in wait_agents(proc.pid, held).items() for p in (s, *kids)]
             # past the start (the first heartbeat made, and the start's calls flushed to the
             # server's counters, which an idle backend does within 10 s)

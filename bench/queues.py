@@ -83,7 +83,7 @@ def paired_ratio(mine: Outcome, ref: Outcome) -> list[float]:
 
 
 def plan(quick: bool, bulk: bool) -> list[Scenario]:
-    """The scenarios, in the order each repetition runs them."""
+    """The scenarios, in the order of the table (a repetition runs them in RUN_ORDER)."""
     s: list[Scenario] = [Scenario("pgbench", "pgbench one-row UPDATE, 4 clients (tps)", "pgbench", "ceiling")]
     for c in (1, 4, 16):
         if quick and c == 4:

@@ -1,8 +1,8 @@
 """Repair latency (issue #7, item 6): a shift holding 10 tasks is SIGKILLed; how long until all 10
 are claimable again (state queued, run_at <= now())?
 
-    uv run python bench/repair.py             # lease 30 s; 5 kills per case (about 4 min)
-    uv run python bench/repair.py --quick     # lease 6 s; 2 kills per case (about 1 min)
+    uv run python bench/repair.py             # lease 30 s; 5 kills per case (about 5 min)
+    uv run python bench/repair.py --quick     # lease 6 s; 2 kills per case (about 30 s)
 
 A real ``fleet shift`` (slots 10, lane max_running 10) runs 10 agents of the scripted agent that
 hang; when all 10 run, the bench SIGKILLs the shift and polls the database every 10 ms until the
