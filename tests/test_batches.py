@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -19,10 +18,8 @@ from typing import Any
 
 import pytest
 from fleetkit import Backend, Fleet, alive, lane_defaults, wait_for
+from gitkit import bare_origin, git, log_of
 
-from worker import gitws
-
-TESTER = ("tester", "tester@example.com")
 pytestmark = pytest.mark.parametrize("backend", ["postgres"], indirect=True)
 
 # The verify gate: fails (task-failed, with output) for a member whose payload says gate_fail;
@@ -65,23 +62,9 @@ with open(sys.argv[1], "a") as fh:
 '''
 
 
-def git(*args: str, cwd: Path | None = None) -> str:
-    proc = subprocess.run(["git", *args], cwd=cwd, env=gitws.git_env(TESTER), capture_output=True, text=True,
-                          timeout=30, check=False)
-    assert proc.returncode == 0, f"git {' '.join(args)}: {proc.stderr}"
-    return proc.stdout.strip()
-
-
 @pytest.fixture
 def origin(tmp_path: Path) -> Path:
-    seed = tmp_path / "seed"
-    git("init", "-q", "-b", "main", str(seed))
-    (seed / "README.md").write_text("hello\n")
-    git("add", "README.md", cwd=seed)
-    git("commit", "-q", "-m", "initial", cwd=seed)
-    bare = tmp_path / "origin.git"
-    git("clone", "-q", "--bare", str(seed), str(bare))
-    return bare
+    return bare_origin(tmp_path)
 
 
 @pytest.fixture
@@ -102,10 +85,6 @@ def batch_fleet(backend: Backend, tmp_path: Path, origin: Path):
     yield make
     for f in made:
         f.close()
-
-
-def log_of(origin: Path, branch: str) -> list[str]:
-    return git("--git-dir", str(origin), "log", "--format=%s", branch).splitlines()
 
 
 def rev(origin: Path, ref: str) -> str:

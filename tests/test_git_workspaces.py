@@ -5,35 +5,19 @@ and completions push the branch; the reaper prunes the worktree of a reaped work
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 from fleetkit import Backend, Fleet, lane_defaults
+from gitkit import bare_origin, git, log_of
 
 from monitor.reconcile import reap_workspaces
 from worker import gitws
 
-TESTER = ("tester", "tester@example.com")
-
-
-def git(*args: str, cwd: Path | None = None) -> str:
-    proc = subprocess.run(["git", *args], cwd=cwd, env=gitws.git_env(TESTER), capture_output=True, text=True,
-                          timeout=30, check=False)
-    assert proc.returncode == 0, f"git {' '.join(args)}: {proc.stderr}"
-    return proc.stdout.strip()
-
 
 @pytest.fixture
 def origin(tmp_path: Path) -> Path:
-    seed = tmp_path / "seed"
-    git("init", "-q", "-b", "main", str(seed))
-    (seed / "README.md").write_text("hello\n")
-    git("add", "README.md", cwd=seed)
-    git("commit", "-q", "-m", "initial", cwd=seed)
-    bare = tmp_path / "origin.git"
-    git("clone", "-q", "--bare", str(seed), str(bare))
-    return bare
+    return bare_origin(tmp_path)
 
 
 @pytest.fixture
@@ -48,10 +32,6 @@ def git_fleet(backend: Backend, tmp_path: Path, origin: Path):
     yield make
     for f in made:
         f.close()
-
-
-def log_of(origin: Path, branch: str) -> list[str]:
-    return git("--git-dir", str(origin), "log", "--format=%s", branch).splitlines()
 
 
 def test_a_task_works_in_a_worktree_on_its_branch_and_the_branch_is_pushed(git_fleet, origin: Path) -> None:

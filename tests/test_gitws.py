@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from gitkit import git
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,15 +35,6 @@ from worker.gitws import (
     push,
     remove_worktree,
 )
-
-TESTER = ("tester", "tester@example.com")
-
-
-def git(*args: str, cwd: Path | None = None) -> str:
-    proc = subprocess.run(["git", *args], cwd=cwd, env=gitws.git_env(TESTER), capture_output=True,
-                          text=True, timeout=30, check=False)
-    assert proc.returncode == 0, f"git {' '.join(args)}: {proc.stderr}"
-    return proc.stdout.strip()
 
 
 def commit(wt: Path, name: str, text: str | None = None) -> str:
