@@ -20,7 +20,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from worker.config import FleetConfig
+from worker.config import DEFAULT_LIMIT_PATTERNS, FleetConfig, ProfileConfig
 
 GateOutcome = Literal["ok", "task-failed", "automation-broken", "capability-unavailable"]
 GATE_OUTCOMES: tuple[GateOutcome, ...] = ("ok", "task-failed", "automation-broken", "capability-unavailable")
@@ -93,19 +93,16 @@ class UsageLimit:
     after_seconds: float | None = None  # or a delay
 
 
-def usage_limit(cfg_profile: object | None, code: int, final_text: str | None, output_tail: str,
-                *, backoff: float = 900.0) -> UsageLimit | None:
+def usage_limit(profile: ProfileConfig | None, code: int, final_text: str | None,
+                output_tail: str) -> UsageLimit | None:
     """A usage or rate limit reported by a run, or None.
 
-    ``cfg_profile``: the run's :class:`~worker.config.ProfileConfig` (None: the default patterns).
+    ``profile``: the run's profile (None: the default patterns, no exit codes, a 15-minute pause).
     A limit is an exit code the profile lists, or one of its patterns in the run's final message or
     the last lines of its output."""
-    from worker.config import DEFAULT_LIMIT_PATTERNS, ProfileConfig
-
-    patterns = cfg_profile.limit_patterns if isinstance(cfg_profile, ProfileConfig) else DEFAULT_LIMIT_PATTERNS
-    codes = cfg_profile.limit_exit_codes if isinstance(cfg_profile, ProfileConfig) else []
-    if isinstance(cfg_profile, ProfileConfig):
-        backoff = cfg_profile.throttle_backoff
+    patterns = profile.limit_patterns if profile is not None else DEFAULT_LIMIT_PATTERNS
+    codes = profile.limit_exit_codes if profile is not None else []
+    backoff = profile.throttle_backoff if profile is not None else ProfileConfig.model_fields["throttle_backoff"].default
     texts = [t for t in (final_text, output_tail[-2000:]) if t]
     hit: str | None = None
     for text in texts:

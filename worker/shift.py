@@ -59,11 +59,11 @@ class Job:
     agent: AgentProcess
     log_path: Path
     started: float
+    dispatch: Dispatch  # what this attempt runs with (profile, tier, model, command)
     killed: str | None = None  # 'lost' | 'cancelled': the lease is gone, write nothing more
     stopping: bool = False  # the shift is ending and asked this agent to stop
     checkpoint_mtime: float | None = None
     checkpoint: Any = None
-    dispatch: Dispatch | None = None
     # the verify gate runs in ``agent``'s place once the agent exited 0 (or at once, for a task an
     # operator resumed): ``gate_until`` is its deadline (monotonic)
     gate_until: float | None = None
@@ -509,7 +509,7 @@ class Shift:
         # stopped still spent its tokens)
         usage = result.report() if result.found else {**result.report(), **job.usage.report()}
         report: dict[str, Any] = {**usage, "exit_code": code, "log_path": str(job.log_path)}
-        if job.dispatch is not None and job.dispatch.model:
+        if job.dispatch.model:
             report["model"] = job.dispatch.model  # what was dispatched (modelUsage names sub-agents too)
         if code != 0:
             report["error_tail"] = tail(job.log_path, 2000)
@@ -532,7 +532,7 @@ class Shift:
             return
         limit = None
         if code != EX_TEMPFAIL:
-            profile = self.cfg.profiles.get(job.dispatch.profile) if job.dispatch and job.dispatch.profile else None
+            profile = self.cfg.profiles.get(job.dispatch.profile) if job.dispatch.profile else None
             limit = usage_limit(profile, code, result.summary, tail(job.log_path, 4000))
         if code == EX_TEMPFAIL or (job.stopping and code != 0):
             why = "agent asked to hand off (exit 75)" if code == EX_TEMPFAIL else f"shift ended ({self._stop_reason})"
@@ -561,8 +561,7 @@ class Shift:
         elif self.lane.verify and job.ws.read_route() is None:
             # exit 0: the gate decides; the job keeps its slot while the gate runs
             try:
-                job.agent = self._start_gate(job.ws, self._task_env(task, job.ws, job.dispatch or resolve(
-                    self.cfg, self.lane_name, task.run_profile, task.tier)), job.log_path)
+                job.agent = self._start_gate(job.ws, self._task_env(task, job.ws, job.dispatch), job.log_path)
             except OSError as exc:
                 self._end_gate(job, "automation-broken", f"the gate could not be started: {exc}")
                 return
