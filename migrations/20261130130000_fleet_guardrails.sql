@@ -75,10 +75,10 @@ end
 $$;
 
 ------------------------------------------------------------------------------------------------
--- enqueue: with a task budget
+-- enqueue: with a tier, a profile (both checked now, never at run time) and a task budget
 
-drop function fleet.enqueue_after(double precision, text, text, jsonb, int, int, text, text, text);
-drop function fleet.enqueue_task(text, text, jsonb, int, timestamptz, int, text, text, text);
+-- (20261130120000_fleet_dispatch.sql dropped the first enqueue_task and enqueue_after; these take
+-- a tier, a profile and a budget as well)
 
 create function fleet.enqueue_task(
     p_lane text, p_key text, p_payload jsonb default '{}', p_priority int default 0,
@@ -189,7 +189,8 @@ end
 $$;
 
 ------------------------------------------------------------------------------------------------
--- claim: last_progress_at starts at the claim; review cap and daily budget gate the claim
+-- claim: pools and profiles (see 20261130120000_fleet_dispatch.sql); the progress clock starts at
+-- the claim; the review cap and the daily budget gate it
 
 create or replace function fleet.claim(p_session uuid, p_limit int default 1)
 returns setof fleet.tasks
