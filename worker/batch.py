@@ -213,16 +213,10 @@ class BatchRunner:
                        member_task.tier)
 
     def _env(self, member_task: Task, ws: Any) -> dict[str, str]:
-        d = self._dispatch(member_task)
-        return agent_env(os.environ, {
-            "FLEET_TASK_ID": str(member_task.id), "FLEET_TASK_KEY": member_task.key,
-            "FLEET_LANE": self.shift.lane_name, "FLEET_ATTEMPT": str(self.task.attempts),  # the carrier's claim
-            "FLEET_WORKSPACE": str(ws.root), "FLEET_MODEL": d.model or "", "FLEET_TIER": d.tier or "",
-            "FLEET_PROFILE": d.profile or "", "FLEET_AGENT_SESSION": member_task.agent_session or "",
-            "FLEET_BATCH_ID": str(self.batch_id), "FLEET_BATCH_CARRIER": str(self.task.id),
-            "FLEET_GUARD_TASK": str(self.task.id),  # `fleet guard` checks the carrier's lease
-            **self.shift._guard.agent_env(self.token, os.environ.get("PATH")),
-        })
+        # the member runs under the carrier's claim: its attempt, and `fleet guard` checks its lease
+        return self.shift._task_env(member_task, ws, self._dispatch(member_task), attempt=self.task.attempts,
+                                    lease=self.token, FLEET_BATCH_ID=str(self.batch_id),
+                                    FLEET_BATCH_CARRIER=str(self.task.id), FLEET_GUARD_TASK=str(self.task.id))
 
     def _log_path(self, m: dict[str, Any] | None, what: str) -> Path:
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
@@ -231,12 +225,8 @@ class BatchRunner:
                 / f"batch-{self.batch_id}-{who}-{what}-a{self.task.attempts}-{stamp}.log")
 
     def _start_gate(self, ws: Any, env: dict[str, str]) -> None:
-        assert self.lane.verify is not None and self.member is not None
-        argv = render_argv(self.lane.verify, {"workspace": str(ws.root), "task_id": env["FLEET_TASK_ID"],
-                                              "model": env["FLEET_MODEL"], "prompt_file": str(ws.prompt_file),
-                                              "agent_session": env["FLEET_AGENT_SESSION"]})
-        self.running = _Proc("gate", AgentProcess(argv, cwd=ws.root, env={**env, "FLEET_GATE": "1"},
-                                                  log_path=self._log_path(self.member, "gate")),
+        assert self.member is not None
+        self.running = _Proc("gate", self.shift._start_gate(ws, env, self._log_path(self.member, "gate")),
                              until=time.monotonic() + self.lane.verify_timeout)
         self.log.info("batch member's verify gate started", n=self.member["n"])
 

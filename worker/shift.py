@@ -300,7 +300,7 @@ class Shift:
             self._touch_workspace(task, ws)
             env = self._task_env(task, ws, d)
             if gate_only:
-                agent = self._start_gate(ws, env, log_path)
+                agent = self._start_gate(ws, env, _gate_log(log_path))
             else:
                 values = {"prompt_file": str(ws.prompt_file), "workspace": str(ws.root),
                           "model": d.model or "", "task_id": str(task.id),
@@ -326,21 +326,24 @@ class Shift:
         else:
             log.info("agent started", pid=agent.pid, log=str(log_path), dispatch=d.describe())
 
-    def _task_env(self, task: Task, ws: Workspace, d: Dispatch) -> dict[str, str]:
+    def _task_env(self, task: Task, ws: Workspace, d: Dispatch, *, attempt: int | None = None,
+                  lease: UUID | None = None, **extra: str) -> dict[str, str]:
+        """An agent's (or a gate's) environment. ``attempt`` and ``lease``: the task's own unless
+        given (a batch member runs under its carrier's claim); ``extra``: more FLEET_* variables."""
         return agent_env(os.environ, {
             "FLEET_TASK_ID": str(task.id), "FLEET_TASK_KEY": task.key, "FLEET_LANE": self.lane_name,
-            "FLEET_ATTEMPT": str(task.attempts), "FLEET_WORKSPACE": str(ws.root),
+            "FLEET_ATTEMPT": str(task.attempts if attempt is None else attempt), "FLEET_WORKSPACE": str(ws.root),
             "FLEET_MODEL": d.model or "", "FLEET_TIER": d.tier or "", "FLEET_PROFILE": d.profile or "",
             "FLEET_AGENT_SESSION": task.agent_session or "",
             # FLEET_GUARD_SOCKET, FLEET_LEASE_TOKEN; FLEET_BIN and PATH with `fleet` first on it
-            **self._guard.agent_env(task.lease_token, os.environ.get("PATH")),
+            **self._guard.agent_env(task.lease_token if lease is None else lease, os.environ.get("PATH")),
+            **extra,
         })
 
-    def _start_gate(self, ws: Workspace, env: dict[str, str], log_path: Path) -> AgentProcess:
+    def _start_gate(self, ws: Workspace, env: dict[str, str], gate_log: Path) -> AgentProcess:
         """The lane's verify gate in the workspace, under a supervisor like an agent (it dies with
-        the shift); its output goes to a log of its own."""
+        the shift), writing to ``gate_log``."""
         assert self.lane.verify is not None
-        gate_log = log_path.with_name(log_path.stem + "-gate.log")
         argv = render_argv(self.lane.verify, {"workspace": str(ws.root), "task_id": env["FLEET_TASK_ID"],
                                               "model": env["FLEET_MODEL"], "prompt_file": str(ws.prompt_file),
                                               "agent_session": env["FLEET_AGENT_SESSION"]})
@@ -561,7 +564,8 @@ class Shift:
         elif self.lane.verify and job.ws.read_route() is None:
             # exit 0: the gate decides; the job keeps its slot while the gate runs
             try:
-                job.agent = self._start_gate(job.ws, self._task_env(task, job.ws, job.dispatch), job.log_path)
+                job.agent = self._start_gate(job.ws, self._task_env(task, job.ws, job.dispatch),
+                                             _gate_log(job.log_path))
             except OSError as exc:
                 self._end_gate(job, "automation-broken", f"the gate could not be started: {exc}")
                 return
@@ -726,6 +730,11 @@ class Shift:
             self.log.error("could not close the session", error=str(exc))
         self.log.info("shift ended", reason=reason, claimed=self.summary.claimed, **self.summary.outcomes)
         self._guard.stop()  # last: an agent's `fleet guard` now finds no shift, and refuses
+
+
+def _gate_log(log_path: Path) -> Path:
+    """The verify gate's log beside its run's."""
+    return log_path.with_name(log_path.stem + "-gate.log")
 
 
 def _over_budget(budget: tuple[float | None, int | None], cost: float, tokens: int) -> str | None:
