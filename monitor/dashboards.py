@@ -191,8 +191,11 @@ def stats_data(r: Reader, since_seconds: float, lane: str | None = None) -> dict
     by_lane = [] if lane is not None else [
         r.one("cohort", **{"from": since, "to": now, "lane": row["lane"]})
         for row in r.rows("entry_lanes", since=since)]
+    split = r.rows("cohort_split", **{"from": since, "to": now, "lane": lane})
     return {"as_of": now, "since": since, "usage": usage, "usage_totals": _usage_totals(usage),
-            "cohort": cohort, "cohort_by_lane": by_lane}
+            "cohort": cohort, "cohort_by_lane": by_lane,
+            # batched vs unbatched: only when the window saw a batch
+            "cohort_split": split if any(row["batch_members"] for row in split) else []}
 
 
 def snapshot_data(r: Reader, since_seconds: float, limit: int = 1000) -> dict[str, Any]:
@@ -214,6 +217,7 @@ def snapshot_data(r: Reader, since_seconds: float, limit: int = 1000) -> dict[st
         "usage_totals": stats["usage_totals"],
         "cohort": stats["cohort"],
         "cohort_by_lane": stats["cohort_by_lane"],
+        "cohort_split": stats["cohort_split"],
     }
 
 
@@ -389,7 +393,20 @@ def render_stats(data: dict[str, Any]) -> RenderableType:
                        fmt_num(row["tokens_per_completed"]), fmt_cost(row["cost_per_completed"]),
                        f"{row['interventions']} ({row['operator_cancels']} cancels, "
                        f"{row['operator_retries']} retries)")
-    return Group(usage, cohort)
+    if not data.get("cohort_split"):
+        return Group(usage, cohort)
+    split = Table("tasks", "tasks", "done", "makespan", "tokens/done", "cache-read share", "cost/done",
+                  "ship runs/done", "batches", "members", "evicted", "blocks", "interventions",
+                  title="the same cohort, batched vs unbatched (fleet.cohort_split)", title_justify="left")
+    for row in data["cohort_split"]:
+        split.add_row(row["cohort"], str(row["tasks"]), str(row["completed"]), fmt_secs(row["makespan_seconds"]),
+                      fmt_num(row["tokens_per_completed"]), fmt_share(row["cache_read_share"]),
+                      fmt_cost(row["cost_per_completed"]),
+                      "—" if row["ship_runs_per_completed"] is None else f"{row['ship_runs_per_completed']}",
+                      str(row["batches"]), str(row["batch_members"]),
+                      f"{row['evicted']} ({fmt_share(row['eviction_rate'])})" if row["batch_members"] else "—",
+                      str(row["blocks"]), str(row["interventions"]))
+    return Group(usage, cohort, split)
 
 
 # -- the report: data

@@ -75,6 +75,10 @@ select * from fleet.throughput_hourly
 -- The cohort of the tasks queued in [from, to), optionally entered in one lane.
 select * from fleet.cohort_metrics(%(from)s::timestamptz, %(to)s::timestamptz, %(lane)s::text);
 
+-- name: cohort_split
+-- The same cohort's batched and unbatched tasks apart (one row each).
+select * from fleet.cohort_split(%(from)s::timestamptz, %(to)s::timestamptz, %(lane)s::text);
+
 -- name: entry_lanes
 -- The lanes tasks entered the fleet by, among the tasks queued from %(since)s on (for per-lane cohorts).
 select distinct coalesce(t.stages -> 0 ->> 'lane', t.lane) as lane

@@ -3,8 +3,8 @@ bare origin, the scripted agent making real commits: members run one after anoth
 the integration branch batch/<id> fast-forward only, or evicted; an inconclusive gate or a failed
 landing blocks the batch until `fleet resume --batch`; the tail ships once.
 
-Postgres back-end only (the batch functions go through PostgREST RPC the same way, but these tests
-do not run them on the Supabase stack)."""
+Every test runs on both back-ends: on the Supabase stack the shift's batch calls go through PostgREST
+RPC with a worker key, `fleet batch create` / `fleet resume --batch` with an operator key."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 from fleetkit import Backend, Fleet, alive, lane_defaults, wait_for
 from gitkit import bare_origin, git, log_of
 
-pytestmark = pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+pytestmark = pytest.mark.parametrize("backend", ["postgres", "supabase"], indirect=True)
 
 # The verify gate: fails (task-failed, with output) for a member whose payload says gate_fail;
 # crashes (exit 1, no output: automation-broken) while <tmp>/gate_mode says crash; with payload
@@ -96,7 +96,7 @@ def member_payload(key: str, **extra: Any) -> dict[str, Any]:
 
 
 def create(f: Fleet, keys: list[str], **kw: Any) -> int:
-    return int(f.store.batch_call("batch_create", {"p_lane": "code", "p_keys": keys, "p_max": kw.get("max", 4),
+    return int(f.monitor_store.batch_call("batch_create", {"p_lane": "code", "p_keys": keys, "p_max": kw.get("max", 4),
                                                    "p_profile": None}))
 
 
@@ -165,6 +165,26 @@ def test_a_batch_lands_members_in_order_evicts_a_failing_one_and_ships_once(batc
     ov = f.sql("select * from fleet.batch_overview where id = %s", (batch,))[0]
     assert (ov["landed"], ov["evicted"], ov["pending"], ov["state"]) == (3, 1, 0, "done")
     assert ov["tokens"] == report["tokens"] > 0
+    # each member's agent is a run of the member's own task, closed, its outcome the member's; the
+    # carrier's run carries none of their tokens
+    for m in ms:
+        (run,) = f.runs(m["task_id"])
+        assert run["id"] == m["run_id"] and run["session_id"] == f.runs(b["task_id"])[0]["session_id"]
+        assert (run["outcome"], run["gate"], run["reason"]) == (
+            ("done", "ok", None) if m["state"] == "landed" else ("failed", "task-failed", "verify-failed"))
+        assert run["ended_at"] is not None and run["exit_code"] == 0
+        tokens = sum(run[k] for k in ("input_tokens", "cache_creation_tokens", "cache_read_tokens", "output_tokens"))
+        assert tokens == m["tokens"] > 0
+    (carrier_run,) = f.runs(b["task_id"])
+    assert carrier_run["outcome"] == "done" and carrier_run["input_tokens"] == carrier_run["output_tokens"] == 0
+    # the cohort figures split batched from unbatched: all four were batched, one evicted, one ship
+    split = {r["cohort"]: r for r in f.sql(
+        "select * from fleet.cohort_split(now() - interval '1 hour', now() + interval '1 hour', 'code')")}
+    assert {k: split["batched"][k] for k in ("tasks", "completed", "open", "batches", "batch_members", "evicted",
+                                              "ship_runs", "runs", "total_tokens")} == {
+        "tasks": 4, "completed": 3, "open": 1, "batches": 1, "batch_members": 4, "evicted": 1, "ship_runs": 1,
+        "runs": 4, "total_tokens": report["tokens"]}
+    assert split["unbatched"]["tasks"] == 0
 
     shown = f.cli("batch", "show", str(batch), "--json")
     assert shown.returncode == 0, shown.stderr

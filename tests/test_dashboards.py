@@ -295,7 +295,8 @@ def test_status_watch_refreshes_in_place_until_ctrl_c(db_url: str, home: Path) -
 
 def test_stats_json(db_url: str, home: Path, world: dict[str, Any]) -> None:
     data = json.loads(ok(run_fleet("stats", "--json", url=db_url, home=home)))
-    assert set(data) == {"as_of", "since", "usage", "usage_totals", "cohort", "cohort_by_lane"}
+    assert set(data) == {"as_of", "since", "usage", "usage_totals", "cohort", "cohort_by_lane", "cohort_split"}
+    assert data["cohort_split"] == []  # no batch in the window: no split table
     totals = {row["lane"]: row for row in data["usage_totals"]}
     docs_tokens = {k: sum(TOKENS[t][k] for t in ("d1", "d2", "d3", "d7")) for k in KINDS}
     assert {k: totals["docs"][k] for k in ["runs", "completed", *KINDS]} == {
@@ -348,7 +349,8 @@ def test_snapshot_is_one_json_line_of_everything(db_url: str, home: Path, world:
     data = json.loads(out)
     assert data["snapshot"] == "lanefleet" and data["version"] == 1
     assert set(data) == {"snapshot", "version", "taken_at", "since", "lanes", "stuck", "sessions", "repairs",
-                         "dead_letters", "throughput", "usage", "usage_totals", "cohort", "cohort_by_lane"}
+                         "dead_letters", "throughput", "usage", "usage_totals", "cohort", "cohort_by_lane",
+                         "cohort_split"}
     status = json.loads(ok(run_fleet("status", "--json", url=db_url, home=home)))
     strip = ("oldest_ready_seconds",)
     assert [{k: v for k, v in r.items() if k not in strip} for r in data["lanes"]] == [

@@ -12,6 +12,9 @@ its own git worktree on ``batch/<id>-m<n>-<key>``, cut from the integration bran
   landed fast-forward only and pushed (:func:`worker.gitws.land_ff_only`), its worktree removed;
   ``task-failed`` → evicted (nothing of it landed: nothing to revert); an inconclusive gate or a
   landing that cannot fast-forward → the batch is blocked until ``fleet resume --batch ID``;
+- a member's agent is recorded as a run of the member's own task (``fleet.runs``: its tokens, cost,
+  model), whose outcome follows the member (done when landed, failed when evicted); the carrier's
+  run carries none of it, so per-task accounting and the cohort figures hold for batched tasks;
 - after the last member: the lane's ``batch_verify`` in a worktree of the integration branch, then
   its ``ship`` once (env ``FLEET_BATCH_MEMBERS``: the landed keys), then the report.
 
@@ -33,7 +36,6 @@ import os
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,7 +77,6 @@ class BatchRunner:
     member: dict[str, Any] | None = None
     running: _Proc | None = None
     killed: str | None = None
-    usage: dict[str, float] = field(default_factory=dict)  # this claim's spend (the carrier's run)
     started: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
@@ -248,30 +249,24 @@ class BatchRunner:
             return
         getattr(self, f"_after_{r.kind}")(r, code, timed_out)
 
-    def _spend(self, r: _Proc) -> tuple[int, Decimal, dict[str, Any]]:
+    def _spend(self, r: _Proc, code: int) -> tuple[dict[str, Any], bool]:
+        """The member's agent's report (its run's tokens, cost, model, session) and is_error."""
         result = parse_result(read_lines(r.proc.log_path))
-        report = result.report()
-        tokens = sum(int(report.get(k, 0)) for k in ("input_tokens", "cache_creation_tokens",
-                                                     "cache_read_tokens", "output_tokens"))
-        for k in ("input_tokens", "cache_creation_tokens", "cache_read_tokens", "output_tokens", "cost_usd"):
-            self.usage[k] = self.usage.get(k, 0) + float(report.get(k, 0) or 0)
-        try:  # the carrier's run carries this claim's spend over all members
-            self.shift.store.record_run(self.token, {k: (round(v, 6) if k == "cost_usd" else int(v))
-                                                     for k, v in self.usage.items()})
-        except FleetError as exc:
-            self.log.warning("could not record the carrier's run", error=str(exc))
-        return tokens, Decimal(str(round(result.cost_usd, 6))), {"found": result.found, "is_error": result.is_error}
+        usage = {**result.report(), "exit_code": code, "log_path": str(r.proc.log_path)}
+        usage["cost_usd"] = round(float(usage.get("cost_usd") or 0), 6)
+        return usage, result.is_error
 
     def _after_agent(self, r: _Proc, code: int, _timed_out: bool) -> None:
         m = self.member
         assert m is not None
-        tokens, cost, res = self._spend(r)
-        if code != 0 or res["is_error"]:
-            evidence = f"the agent exited {code}" + (" (is_error)" if res["is_error"] else "") + \
+        usage, is_error = self._spend(r, code)
+        if code != 0 or is_error:
+            evidence = f"the agent exited {code}" + (" (is_error)" if is_error else "") + \
                 f": {tail(r.proc.log_path, 1500).strip()}"
-            self._evict(evidence, "task-failed", tokens, cost)
+            usage["error_tail"] = evidence[-4000:]
+            self._evict(evidence, "task-failed", usage)
             return
-        self._call("batch_member_gate", p_n=m["n"], p_gate="pending", p_tokens=tokens, p_cost=cost)
+        self._call("batch_member_gate", p_n=m["n"], p_gate="pending", p_usage=usage)
         m["gate"] = "pending"
         if self.stopping:  # the next shift runs the gate
             self._hand_off(f"shift ended after member {m['n']}'s agent ({self.shift._stop_reason})")
@@ -293,16 +288,17 @@ class BatchRunner:
             m["gate"] = "ok"
             self.state = "land"
         elif outcome == "task-failed":
-            self._evict(evidence, "task-failed", 0, Decimal(0))
+            self._evict(evidence, "task-failed")
         else:
             self._call("batch_member_gate", p_n=m["n"], p_gate=outcome, p_evidence=evidence)
             self._block(outcome, evidence, m["n"])
 
-    def _evict(self, evidence: str, gate: str, tokens: int, cost: Decimal) -> None:
+    def _evict(self, evidence: str, gate: str, usage: dict[str, Any] | None = None) -> None:
+        """Evict the current member; ``usage``: its agent's report when the agent itself failed."""
         m = self.member
         assert m is not None
         to = self._call("batch_member_evicted", p_n=m["n"], p_evidence=evidence[-4000:], p_gate=gate,
-                        p_tokens=tokens, p_cost=cost)
+                        p_usage=usage)
         self.log.info("batch member evicted", n=m["n"], key=m["key"], to=to)
         self._tear_down(m)
         self.state = "next"
