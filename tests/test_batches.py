@@ -54,11 +54,20 @@ if payload.get("sabotage"):
 print("all tests passed")
 '''
 
-# The ship command: appends one line per run, the landed members.
+# The ship command: appends one line per run, the landed members (and "rerun" when the runner says
+# an earlier run's outcome was never recorded); while <shipped>.kill names a pid, SIGKILLs it (the
+# shift) after shipping, once.
 SHIP = r'''
-import os, sys
+import os, signal, sys, time
+rerun = " rerun" if os.environ.get("FLEET_BATCH_SHIP_RERUN") == "1" else ""
 with open(sys.argv[1], "a") as fh:
-    fh.write(os.environ["FLEET_BATCH_ID"] + ":" + os.environ["FLEET_BATCH_MEMBERS"] + "\n")
+    fh.write(os.environ["FLEET_BATCH_ID"] + ":" + os.environ["FLEET_BATCH_MEMBERS"] + rerun + "\n")
+kill = sys.argv[1] + ".kill"
+if os.path.exists(kill):
+    pid = int(open(kill).read())
+    os.remove(kill)
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(30)
 '''
 
 
@@ -332,6 +341,35 @@ def test_a_shift_killed_during_member_2_is_continued_on_the_same_branch(batch_fl
     assert "k2: step 3/3 (attempt 2)" in k2 or len(k2) == 3, "the second shift went on from the checkpoint"
     kinds = carrier_events(f, batch)
     assert kinds.count("batch_landed") == 3 and kinds.count("batch_member_advanced") == 3
+
+
+def test_a_shift_killed_after_ship_ran_ships_again_told_it_is_a_rerun(batch_fleet, tmp_path: Path) -> None:
+    f = batch_fleet()
+    f.enqueue("code", "k1", member_payload("k1"))
+    batch = create(f, ["k1"])
+    shipped = tmp_path / "shipped.txt"
+    proc = f.spawn_shift("code", "--max-seconds", "60")
+    try:
+        Path(f"{shipped}.kill").write_text(str(proc.pid))
+        proc.wait(timeout=60)  # the ship command SIGKILLs it after shipping, before the outcome is recorded
+    finally:
+        if alive(proc.pid):
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert shipped.read_text() == f"{batch}:k1\n"
+    b = batch_row(f, batch)
+    assert b["state"] == "running" and "ship" not in b["report"] and len(b["report"]["ship_started"]) == 1
+    f.monitor_store.declare_session_lost(f.task(b["task_id"])["session_id"], "test: shift SIGKILLed")
+
+    f.run_shift("code", max_tasks=1)
+
+    b = batch_row(f, batch)
+    assert b["state"] == "done" and b["report"]["ship"]["exit_code"] == 0
+    assert shipped.read_text() == f"{batch}:k1\n{batch}:k1 rerun\n", "the command was told it may have run"
+    assert [s["attempt"] for s in b["report"]["ship_started"]] == [1, 2]
+    kinds = carrier_events(f, batch)
+    assert kinds.count("batch_ship_started") == 2 and kinds.count("batch_shipped") == 1
+    assert [m["state"] for m in members(f, batch)] == ["landed"], "landed once"
 
 
 def test_a_shift_ending_during_a_member_hands_the_batch_off_and_the_next_shift_finishes_it(

@@ -96,3 +96,31 @@ def test_the_reaper_removes_a_finished_tasks_worktree_and_prunes_it(git_fleet, o
     listed = git("--git-dir", str(mirror.path), "worktree", "list", "--porcelain")
     assert str(ws) not in listed, "the worktree is pruned from the mirror"
     assert log_of(origin, "fleet/code/old")[0] == "old: step 1/1 (attempt 1)", "the branch keeps the work"
+
+
+def test_a_branch_that_diverged_from_origin_blocks_the_task_for_a_person(git_fleet, origin: Path,
+                                                                         tmp_path: Path) -> None:
+    """This host holds commits of the task it never pushed (its attempt failed), and meanwhile another
+    host pushed other commits to the same branch: neither is thrown away; the task is blocked
+    (branch-diverged, no attempt spent) with git's evidence, until a person reconciles and resumes."""
+    fleet = git_fleet()
+    task = fleet.enqueue("code", "t", {"steps": 1, "sleep": 0.02, "commit": "a.txt", "fail_attempts": 1})
+    fleet.run_shift("code", max_tasks=1)  # commits step 1 on this host, fails, pushes nothing
+    assert fleet.task(task)["state"] == "queued"
+    other = tmp_path / "other-host"
+    git("clone", "-q", str(origin), str(other))
+    git("checkout", "-q", "-b", "fleet/code/t", cwd=other)
+    (other / "theirs.txt").write_text("theirs\n")
+    git("add", "theirs.txt", cwd=other)
+    git("commit", "-q", "-m", "pushed by another host", cwd=other)
+    git("push", "-q", "origin", "fleet/code/t", cwd=other)
+
+    fleet.run_shift("code", max_tasks=1)
+
+    row = fleet.task(task)
+    assert (row["state"], row["block_reason"], row["failures"]) == ("blocked", "branch-diverged", 1)
+    assert "diverged" in row["last_error"] and "reconcile by hand" in row["last_error"]
+    assert log_of(origin, "fleet/code/t") == ["pushed by another host", "initial"], "origin's work is kept"
+    mine = git("log", "--format=%s", cwd=fleet.workspace("code", "t")).splitlines()
+    assert mine == ["t: step 1/1 (attempt 1)", "initial"], "and so is this host's"
+    assert fleet.runs(task)[-1]["outcome"] == "blocked"

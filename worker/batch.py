@@ -16,7 +16,9 @@ its own git worktree on ``batch/<id>-m<n>-<key>``, cut from the integration bran
   model), whose outcome follows the member (done when landed, failed when evicted); the carrier's
   run carries none of it, so per-task accounting and the cohort figures hold for batched tasks;
 - after the last member: the lane's ``batch_verify`` in a worktree of the integration branch, then
-  its ``ship`` once (env ``FLEET_BATCH_MEMBERS``: the landed keys), then the report.
+  its ``ship`` once (env ``FLEET_BATCH_MEMBERS``: the landed keys; its start is recorded first, and a
+  takeover that finds a start without an outcome runs it again with ``FLEET_BATCH_SHIP_RERUN=1``),
+  then the report.
 
 Every step is a ``fleet.batch_*`` call fenced by the carrier's lease, and the member being worked
 is read from the database, so a shift that takes the carrier over (after a repair or a hand-off)
@@ -183,7 +185,10 @@ class BatchRunner:
         try:
             head = cut_member_branch(self.shift._mirror(), ws.root, branch, self.batch["integration_branch"])
         except FleetError as exc:
-            self._block("automation-broken", f"could not prepare member {m['n']}'s worktree: {exc}", m["n"])
+            from worker.gitws import BranchDiverged
+
+            reason = "branch-diverged" if isinstance(exc, BranchDiverged) else "automation-broken"
+            self._block(reason, f"could not prepare member {m['n']}'s worktree: {exc}", m["n"])
             return
         self._call("batch_member_start", p_n=m["n"], p_branch=branch, p_worktree=os.path.abspath(ws.root),
                    p_cut_sha=m.get("cut_sha") or head)
@@ -373,7 +378,16 @@ class BatchRunner:
             return
         values = {"workspace": str(ws.root), "task_id": str(self.task.id), "model": "", "prompt_file": "",
                   "agent_session": ""}
-        self.running = _Proc(step, AgentProcess(render_argv(argv, values), cwd=ws.root, env=self._tail_env(ws),
+        env = self._tail_env(ws)
+        if step == "ship":
+            # recorded before it runs: a takeover that finds a start without an outcome tells the
+            # command it may have run already (it can look for the pull request it opened)
+            if "ship_started" in report:
+                env["FLEET_BATCH_SHIP_RERUN"] = "1"
+                self.log.warning("batch: an earlier ship ran without a recorded outcome; shipping again",
+                                 starts=len(report["ship_started"]))
+            self._call("batch_tail", p_step="ship_started", p_outcome={"attempt": self.task.attempts})
+        self.running = _Proc(step, AgentProcess(render_argv(argv, values), cwd=ws.root, env=env,
                                                 log_path=self._log_path(None, step)),
                              until=time.monotonic() + self.lane.verify_timeout if step == "batch_verify" else None)
         self.log.info(f"batch {step} started", pid=self.running.proc.pid)

@@ -288,9 +288,17 @@ class Shift:
             try:
                 head = self._git_worktree(task, ws)
             except FleetError as exc:  # GitError: the repo or the mirror is unreachable, a branch diverged
-                log.error("could not prepare the git worktree", error=str(exc))
+                from worker.gitws import BranchDiverged
+
                 error, lease_ = f"could not prepare the git worktree: {exc}"[:4000], task.lease_token
                 assert lease_ is not None
+                if isinstance(exc, BranchDiverged):
+                    # this host's commits and origin's both hold work: a person decides which to keep
+                    # (no attempt is spent on it); `fleet resume` then runs the agent again
+                    log.error("blocked: the task's branch diverged from origin", error=str(exc))
+                    self._call(task.id, lambda: self.store.block(task.id, lease_, "branch-diverged", error), "blocked")
+                    return
+                log.error("could not prepare the git worktree", error=str(exc))
                 self._call(task.id, lambda: self.store.fail(task.id, lease_, error), "failed")
                 return
             log.info("git worktree ready", branch=self._branch(task), head=head[:12])
