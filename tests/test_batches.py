@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -435,3 +436,60 @@ def test_batch_size_needs_a_repo(backend: Backend) -> None:
 
     with pytest.raises(ValueError, match="batch_size needs a repo"):
         LaneConfig(command=["true"], batch_size=2)
+
+
+def test_a_member_over_its_task_budget_is_stopped_and_leaves_the_batch_blocked(batch_fleet, origin: Path) -> None:
+    f = batch_fleet()
+    # 5,000 tokens a step, 40 steps: the member's budget of 12,000 is crossed at the third step
+    spender = f.enqueue("code", "spender", member_payload("spender", steps=40, sleep=0.2), max_tokens=12000)
+    f.enqueue("code", "fine", member_payload("fine"))
+    batch = create(f, ["spender", "fine"])
+
+    started = time.monotonic()
+    f.run_shift("code", max_tasks=1, max_seconds=60)
+
+    assert time.monotonic() - started < 40 * 0.2, "the member's agent ran to its end"
+    assert batch_row(f, batch)["state"] == "done"
+    ms = members(f, batch)
+    assert [(m["state"], m["gate"]) for m in ms] == [("evicted", "budget"), ("landed", "ok")]
+    row = f.task(spender)
+    assert (row["state"], row["block_reason"], row["failures"], row["batch_id"]) == ("blocked", "budget", 0, None)
+    assert "12,000 budget" in row["last_error"]
+    (run,) = f.runs(spender)
+    assert (run["outcome"], run["reason"]) == ("blocked", "budget")
+    assert 12000 <= run["input_tokens"] + run["output_tokens"] < 40 * 5000, "what it streamed, counted"
+    assert log_of(origin, f"batch/{batch}")[:-1] == ["fine: step 1/1 (attempt 1)"], "nothing of it landed"
+    # an operator gives it room: an ordinary task again, run alone
+    assert f.cli("resume", str(spender), "--max-tokens", "1000000", env=f.env("operator")).returncode == 0
+    assert f.task(spender)["state"] == "queued"
+
+
+def test_a_member_waiting_on_a_person_flags_its_carrier_and_is_not_a_stall(batch_fleet) -> None:
+    f = batch_fleet(stall_seconds=2, stall_action="stop")
+    f.enqueue("code", "asks", member_payload("asks", attention="Claude needs your permission to use Bash"))
+    batch = create(f, ["asks"])
+    shift = f.shift("code", max_tasks=1, max_seconds=60)
+    t = threading.Thread(target=shift.run)
+    t.start()
+    try:
+        carrier = batch_row(f, batch)["task_id"]
+        rows = wait_for("the carrier flagged needs-attention", lambda: f.sql("select * from fleet.attention_tasks"),
+                        timeout=30, every=0.2)
+        assert rows[0]["id"] == carrier and "permission to use Bash" in rows[0]["attention"]
+        time.sleep(4)  # twice the stall time: waiting on a human is not a stall
+        assert f.task(carrier)["state"] == "running"
+    finally:
+        shift.request_stop("test over")
+        t.join(60)
+
+
+def test_a_silent_member_stalls_its_carrier(batch_fleet) -> None:
+    f = batch_fleet(stall_seconds=2, stall_action="stop")
+    f.enqueue("code", "quiet", member_payload("quiet", mode="hang"))  # alive, says nothing
+    batch = create(f, ["quiet"])
+    f.run_shift("code", max_tasks=1, max_seconds=40)
+    carrier = batch_row(f, batch)["task_id"]
+    run = f.runs(carrier)[0]
+    assert (run["outcome"], run["reason"]) == ("failed", "stalled"), run
+    # the carrier's next claim continues the same member
+    assert f.task(carrier)["state"] == "queued" and members(f, batch)[0]["state"] == "running"

@@ -39,22 +39,28 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from worker.dispatch import classify_gate, resolve
 from worker.errors import DatabaseUnavailable, FleetError, LeaseLost
-from worker.executor import AgentProcess, agent_env, parse_result, read_lines, render_argv, tail
+from worker.executor import (
+    AgentProcess,
+    StreamUsage,
+    agent_env,
+    parse_result,
+    read_lines,
+    render_argv,
+    tail,
+)
 from worker.models import Task
+from worker.shift import Shift, _attention, _mtime, _over_budget, _size
 from worker.workspace import prepare, safe_name, workspace_for
-
-if TYPE_CHECKING:
-    from worker.shift import Shift
 
 #: the SQL functions a store's ``batch_call`` may call
 BATCH_FUNCTIONS = frozenset({
     "batch_create", "batch_compose", "batch_get", "batch_resume", "batch_setup", "batch_member_start", "batch_member_gate",
-    "batch_member_landed", "batch_member_evicted", "batch_member_torn_down", "batch_block", "batch_tail",
-    "batch_finish",
+    "batch_member_landed", "batch_member_evicted", "batch_member_blocked", "batch_member_torn_down", "batch_block",
+    "batch_tail", "batch_finish",
 })
 INCONCLUSIVE = ("automation-broken", "capability-unavailable")
 
@@ -80,6 +86,13 @@ class BatchRunner:
     running: _Proc | None = None
     killed: str | None = None
     started: float = field(default_factory=time.monotonic)
+    # the running member agent's task budget (max cost, max tokens), what its task spent before,
+    # what this run streamed, and why the runner stopped it for its budget
+    budget: tuple[float | None, int | None] = (None, None)
+    spent_before: tuple[float, int] = (0.0, 0)
+    usage: StreamUsage = field(default_factory=StreamUsage)
+    over_budget: str | None = None
+    marks: tuple[int, float | None, float | None] = (0, None, None)  # log size, hook, checkpoint
 
     def __post_init__(self) -> None:
         self.batch_id = int(self.task.batch_id or self.task.payload.get("batch") or 0)
@@ -93,8 +106,23 @@ class BatchRunner:
     # -- the shift's side
 
     def progressed(self) -> bool:
-        """Something runs for the batch (the stall detector counts it as progress)."""
-        return self.running is not None
+        """Progress for the stall detector: a member's agent made some (its log grew, a hook touched
+        ``.fleet/progress``, its checkpoint changed); a gate, the tail or a step between counts."""
+        r = self.running
+        if r is None or r.kind != "agent" or self.member is None:
+            return True
+        ws = self._ws(self.member)
+        marks = (_size(r.proc.log_path), _mtime(ws.fleet / "progress"), _mtime(ws.checkpoint_file))
+        if marks == self.marks:
+            return False
+        self.marks = marks
+        return True
+
+    def attention(self) -> str | None:
+        """What the running member's agent waits for (``.fleet/attention.json``), if anything."""
+        if self.running is None or self.running.kind != "agent" or self.member is None:
+            return None
+        return _attention(self._ws(self.member).fleet / "attention.json")
 
     def lease_gone(self, why: str) -> None:
         """The heartbeat says the carrier's lease is gone (lost, cancelled): stop, write nothing."""
@@ -205,6 +233,12 @@ class BatchRunner:
             self.log.info("batch: member continues at its verify gate", n=m["n"], gate=m.get("gate"))
             self._start_gate(ws, env)
             return
+        self.budget, self.spent_before = self.shift._budget(member_task, self.log)
+        over = _over_budget(self.budget, *self.spent_before) if self.budget != (None, None) else None
+        if over is not None:  # never run into more spend
+            self._leave_blocked("budget", over)
+            return
+        self.usage, self.over_budget, self.marks = StreamUsage(), None, (0, None, None)
         d = self._dispatch(member_task)
         values = {"prompt_file": str(ws.prompt_file), "workspace": str(ws.root), "model": d.model or "",
                   "task_id": str(member_task.id), "agent_session": member_task.agent_session or ""}
@@ -239,6 +273,14 @@ class BatchRunner:
     def _poll(self) -> None:
         r = self.running
         assert r is not None
+        if r.kind == "agent" and self.budget != (None, None) and self.over_budget is None:
+            self.usage.read(r.proc.log_path)
+            over = _over_budget(self.budget, self.spent_before[0] + self.usage.cost_usd,
+                                self.spent_before[1] + self.usage.tokens)
+            if over is not None:
+                self.over_budget = over
+                r.proc.kill()
+                self.log.warning("batch member's agent stopped: its task's budget is spent", spent=over)
         code = r.proc.poll()
         timed_out = False
         if code is None and r.until is not None and time.monotonic() > r.until and not self.stopping:
@@ -255,9 +297,12 @@ class BatchRunner:
         getattr(self, f"_after_{r.kind}")(r, code, timed_out)
 
     def _spend(self, r: _Proc, code: int) -> tuple[dict[str, Any], bool]:
-        """The member's agent's report (its run's tokens, cost, model, session) and is_error."""
+        """The member's agent's report (its run's tokens, cost, model, session) and is_error: the
+        final record's modelUsage, else what the run streamed (a stopped run still spent tokens)."""
         result = parse_result(read_lines(r.proc.log_path))
-        usage = {**result.report(), "exit_code": code, "log_path": str(r.proc.log_path)}
+        self.usage.read(r.proc.log_path)
+        spent = result.report() if result.found else {**result.report(), **self.usage.report()}
+        usage = {**spent, "exit_code": code, "log_path": str(r.proc.log_path)}
         usage["cost_usd"] = round(float(usage.get("cost_usd") or 0), 6)
         return usage, result.is_error
 
@@ -265,6 +310,9 @@ class BatchRunner:
         m = self.member
         assert m is not None
         usage, is_error = self._spend(r, code)
+        if self.over_budget is not None:
+            self._leave_blocked("budget", self.over_budget, usage)
+            return
         if code != 0 or is_error:
             evidence = f"the agent exited {code}" + (" (is_error)" if is_error else "") + \
                 f": {tail(r.proc.log_path, 1500).strip()}"
@@ -305,6 +353,16 @@ class BatchRunner:
         to = self._call("batch_member_evicted", p_n=m["n"], p_evidence=evidence[-4000:], p_gate=gate,
                         p_usage=usage)
         self.log.info("batch member evicted", n=m["n"], key=m["key"], to=to)
+        self._tear_down(m)
+        self.state = "next"
+
+    def _leave_blocked(self, reason: str, evidence: str, usage: dict[str, Any] | None = None) -> None:
+        """The current member leaves the batch blocked (its task's budget is spent): its task waits
+        for `fleet resume`, the batch goes on."""
+        m = self.member
+        assert m is not None
+        self._call("batch_member_blocked", p_n=m["n"], p_reason=reason, p_evidence=evidence, p_usage=usage)
+        self.log.warning("batch member blocked", n=m["n"], key=m["key"], reason=reason, evidence=evidence)
         self._tear_down(m)
         self.state = "next"
 

@@ -269,14 +269,8 @@ class Shift:
         log_path = self.workspaces / self.lane_name / "logs" / f"{task.id}-{safe_name(task.key)}-a{task.attempts}-{stamp}.log"
         d = resolve(self.cfg, self.lane_name, task.run_profile, task.tier, task.pool)
         gate_only = task.verify_pending and bool(self.lane.verify)
-        budget = (float(task.max_cost_usd) if task.max_cost_usd is not None else self.lane.max_cost_usd,
-                  task.max_tokens if task.max_tokens is not None else self.lane.max_tokens)
-        spent_before = (0.0, 0)
+        budget, spent_before = self._budget(task, log)
         if budget != (None, None):
-            try:
-                spent_before = self.store.task_spend(task.id)
-            except FleetError as exc:
-                log.warning("could not read the task's spend; its budget counts this run only", error=str(exc))
             over = _over_budget(budget, *spent_before)
             if over is not None:  # never retried into more spend
                 lease = task.lease_token
@@ -333,6 +327,19 @@ class Shift:
             log.info("verify gate started (resumed task: the gate only)", pid=agent.pid, log=str(log_path))
         else:
             log.info("agent started", pid=agent.pid, log=str(log_path), dispatch=d.describe())
+
+    def _budget(self, task: Task, log: Any) -> tuple[tuple[float | None, int | None], tuple[float, int]]:
+        """The task's budget (its own, else the lane's: max cost, max tokens) and what its earlier
+        runs spent (cost, tokens; read only when there is a budget)."""
+        budget = (float(task.max_cost_usd) if task.max_cost_usd is not None else self.lane.max_cost_usd,
+                  task.max_tokens if task.max_tokens is not None else self.lane.max_tokens)
+        spent = (0.0, 0)
+        if budget != (None, None):
+            try:
+                spent = self.store.task_spend(task.id)
+            except FleetError as exc:
+                log.warning("could not read the task's spend; its budget counts this run only", error=str(exc))
+        return budget, spent
 
     def _task_env(self, task: Task, ws: Workspace, d: Dispatch, *, attempt: int | None = None,
                   lease: UUID | None = None, **extra: str) -> dict[str, str]:
@@ -662,6 +669,7 @@ class Shift:
         progressed, attention = self._progress()
         try:
             progressed += [tid for tid, runner in self.batches.items() if runner.progressed()]
+            attention.update({tid: w for tid, runner in self.batches.items() if (w := runner.attention())})
             statuses = self.store.heartbeat(self.session, [*self.jobs, *self.pending, *self.batches], progressed,
                                             attention)
         except SessionLost as exc:
