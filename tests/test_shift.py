@@ -24,7 +24,7 @@ from fleetkit import Backend, Fleet, alive, lane_defaults, pids_using, proc_chil
 
 from worker import example_agent
 from worker.executor import parse_result
-from worker.shift import Shift, ShiftSummary
+from worker.shift import IDLE_CLAIM_MAX, Shift, ShiftSummary
 
 QUICK = {"steps": 2, "sleep": 0.05}
 
@@ -611,3 +611,37 @@ def test_workspace_hidden_files_are_private_kept_and_the_prompt_carries_the_chec
     assert "the tests still fail" in prompt
     first_prompt = (f.workspace("work", "fresh:1") / ".fleet" / "prompt.md").read_text()
     assert "Where you left off" not in first_prompt
+
+
+# -- 7. an idle shift backs off its claims
+
+
+def test_an_idle_shift_backs_off_its_claims_and_still_picks_up_new_work(fleet_of, monkeypatch) -> None:
+    f = fleet_of()
+    shift = f.shift("work", once=False, max_tasks=1, max_seconds=60)
+    claims: list[float] = []
+    claim = shift.store.claim
+
+    def counted(*args: Any, **kw: Any) -> Any:  # the real store's claim, counted
+        claims.append(time.monotonic())
+        return claim(*args, **kw)
+
+    monkeypatch.setattr(shift.store, "claim", counted)
+    thread, out = run_in_thread(shift)
+    time.sleep(6.5)
+    idle = len(claims)
+    # without the back-off a claim every poll_seconds; with it, the gaps double up to IDLE_CLAIM_MAX
+    p, t, schedule = shift.poll_seconds, 0.0, [0.0]
+    while t + min(p, IDLE_CLAIM_MAX) <= 6.5 - 0.3:
+        t += min(p, IDLE_CLAIM_MAX)
+        schedule.append(t)
+        p *= 2
+    got = [round(c - claims[0], 2) for c in claims]
+    assert 3 <= idle <= len(schedule) + 1 < 6.5 / shift.poll_seconds / 2, (got, schedule)
+    assert claims[-1] - claims[-2] >= 1.5, got  # never more than poll_seconds without the back-off
+    enqueued = time.monotonic()
+    task = f.enqueue("work", "late", {"steps": 1, "sleep": 0.01})
+    summary = joined(thread, out)
+    assert summary.claimed == 1 and f.task(task)["state"] == "done"
+    picked = next(c for c in claims if c >= enqueued)
+    assert picked - enqueued <= 5.5, "new work waited past the longest idle back-off"

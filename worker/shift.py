@@ -49,6 +49,9 @@ from worker.store import Store
 from worker.workspace import Workspace, disk_use, prepare, safe_name, workspace_for
 
 EXIT_OK = 0
+#: the longest an idle shift waits between claims (it backs off from poll_seconds while the lane's
+#: queue stays empty; a freed slot or a claimed task claims again at once)
+IDLE_CLAIM_MAX = 5.0
 EXIT_SESSION_LOST = 3
 
 
@@ -136,6 +139,11 @@ class Shift:
         self._instructions: str | None = None
         self._git_mirror: Any = None
         self._lane_handoff: LaneHandoff | None = None
+        # idle back-off: after an empty claim the next waits claim_delay (doubling from poll_seconds
+        # up to IDLE_CLAIM_MAX) unless a slot was freed since
+        self._claim_delay = poll_seconds
+        self._next_claim = 0.0
+        self._free_at_empty = 0
 
     # -- signals
 
@@ -216,6 +224,9 @@ class Shift:
             free = min(free, budget)
         if free <= 0:
             return []
+        now = time.monotonic()
+        if now < self._next_claim and free <= self._free_at_empty:
+            return []  # the queue was empty a moment ago and no slot was freed since
         self._compose_batch()
         try:
             tasks = self.store.claim(self.session, free)
@@ -225,6 +236,11 @@ class Shift:
         except DatabaseUnavailable as exc:
             self.log.warning("claim failed; will try again", error=str(exc))
             return []
+        if tasks:
+            self._claim_delay, self._next_claim = self.poll_seconds, 0.0
+        else:
+            self._free_at_empty, self._next_claim = free, now + self._claim_delay
+            self._claim_delay = min(self._claim_delay * 2, max(self.poll_seconds, IDLE_CLAIM_MAX))
         for task in tasks:
             self.summary.claimed += 1
             self._start(task)
