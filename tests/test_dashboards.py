@@ -277,7 +277,11 @@ def test_status_watch_refreshes_in_place_until_ctrl_c(db_url: str, home: Path) -
             read_for(0.3)
         assert queued_seen() == {"1", "5"}                        # the same screen, refreshed
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        # keep reading while it exits: a refresh written into a full pty would block it forever
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            read_for(0.2)
+        assert proc.wait(timeout=1) == 0
         read_for(0.5)
     finally:
         if proc.poll() is None:

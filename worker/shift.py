@@ -140,10 +140,10 @@ class Shift:
         self._git_mirror: Any = None
         self._lane_handoff: LaneHandoff | None = None
         # idle back-off: after an empty claim the next waits claim_delay (doubling from poll_seconds
-        # up to IDLE_CLAIM_MAX) unless a slot was freed since
+        # up to IDLE_CLAIM_MAX) unless a slot was freed since (fewer busy than at that claim)
         self._claim_delay = poll_seconds
         self._next_claim = 0.0
-        self._free_at_empty = 0
+        self._busy_at_empty = 0
 
     # -- signals
 
@@ -225,7 +225,8 @@ class Shift:
         if free <= 0:
             return []
         now = time.monotonic()
-        if now < self._next_claim and free <= self._free_at_empty:
+        busy = len(self.jobs) + len(self.pending) + len(self.batches)
+        if not self.once and now < self._next_claim and busy >= self._busy_at_empty:
             return []  # the queue was empty a moment ago and no slot was freed since
         self._compose_batch()
         try:
@@ -239,7 +240,7 @@ class Shift:
         if tasks:
             self._claim_delay, self._next_claim = self.poll_seconds, 0.0
         else:
-            self._free_at_empty, self._next_claim = free, now + self._claim_delay
+            self._busy_at_empty, self._next_claim = busy, now + self._claim_delay
             self._claim_delay = min(self._claim_delay * 2, max(self.poll_seconds, IDLE_CLAIM_MAX))
         for task in tasks:
             self.summary.claimed += 1
