@@ -175,6 +175,28 @@ def test_a_lane_without_limits_claims_while_another_claim_is_uncommitted(connect
     assert running(setup, "free") == 4
 
 
+def test_large_claims_of_a_lane_take_turns_and_small_ones_pass_them(connect) -> None:
+    """A claim of more than 32 tasks waits for another large claim of its lane to commit (side by
+    side they would scan past each other's rows); a shift-sized claim is served beside it."""
+    setup = connect()
+    add_lane(setup, "bulk")
+    fill(setup, "bulk", 120)
+    sa, sb, sc = (open_session(setup, "bulk", n) for n in (1, 2, 3))
+
+    a = connect(autocommit=False)
+    assert len(claim(a, sa, 50)) == 50  # uncommitted
+    small = connect()
+    small.execute("set lock_timeout = '2s'")
+    assert len(claim(small, sc, 8)) == 8, "a small claim does not wait for the large one"
+    b = connect()
+    waiting = Call(b, lambda c: claim(c, sb, 50))
+    waiting.start()
+    assert wait_until_waiting(setup, b.info.backend_pid) == "advisory"
+    a.commit()
+    assert len(waiting.outcome()) == 50
+    assert running(setup, "bulk") == 108
+
+
 LIMITS = {
     "max_running": {"max_running": 10},
     "review_cap": {"config": {"review": True, "review_cap": 10}},
