@@ -15,6 +15,7 @@ import functools
 import html
 import json
 import math
+import signal
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -958,17 +959,36 @@ def status(
         console.print(render_status(fetch()))
         return
     last: RenderableType = render_status(fetch())
-    with Live(last, console=console, refresh_per_second=4, transient=False) as live:
-        try:
-            while True:
-                time.sleep(every)
+    # Ctrl-C ends the watch between refreshes: a KeyboardInterrupt inside a query or the pool could
+    # leave the exit waiting on them. A second Ctrl-C interrupts at once. (The handler only flips a
+    # flag: taking a lock in a signal handler can deadlock against the code it interrupted.)
+    stopping: list[bool] = []
+
+    def on_sigint(_signum: int, _frame: object) -> None:
+        if stopping:
+            raise KeyboardInterrupt
+        stopping.append(True)
+
+    def pause() -> bool:
+        """Wait one interval; False once Ctrl-C was pressed."""
+        end = time.monotonic() + every
+        while not stopping and time.monotonic() < end:
+            time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+        return not stopping
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        with Live(last, console=console, refresh_per_second=4, transient=False) as live:
+            while pause():
                 try:
                     last = render_status(fetch())
                     live.update(last)
                 except FleetError as exc:  # keep watching through an outage
                     live.update(Group(last, Text(f"refresh failed: {exc}", style="red")))
-        except KeyboardInterrupt:
-            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def stats(
