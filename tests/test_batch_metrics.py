@@ -14,8 +14,8 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 from test_dashboards import FLEET_TOML, ok, run_fleet
-from test_sql_api import claim_one, complete, enqueue, one, open_session, record_run, rows
-from test_views import lane
+from test_sql_api import complete, enqueue, one, open_session, record_run, rows
+from test_views import lane, take
 
 WINDOW = "now() - interval '1 hour', now() + interval '1 hour'"
 
@@ -32,12 +32,8 @@ def call(conn: psycopg.Connection, fn: str, *args: Any) -> Any:
 
 
 def first(conn: psycopg.Connection, session: uuid.UUID, task_id: int) -> uuid.UUID:
-    """Claim exactly ``task_id`` (made the lane's first ready task for the claim): its lease token."""
-    conn.execute("update fleet.tasks set priority = 1000 where id = %s", (task_id,))
-    got = claim_one(conn, session)
-    conn.execute("update fleet.tasks set priority = 0 where id = %s", (task_id,))
-    assert got["id"] == task_id
-    return uuid.UUID(str(got["lease_token"]))
+    """Claim exactly ``task_id`` (test_views.take): its lease token."""
+    return uuid.UUID(str(take(conn, session, task_id)["lease_token"]))
 
 
 @pytest.fixture
