@@ -245,6 +245,23 @@ def test_complete_many_does_what_complete_does(lanes: psycopg.Connection) -> Non
     assert rows(conn, run, (bulk["id"],)) == rows(conn, run, (one_by_one["id"],))
 
 
+def test_a_batch_over_two_lanes_goes_to_review_where_its_lane_requires_one(lanes: psycopg.Connection) -> None:
+    conn = lanes
+    conn.execute("update fleet.lanes set config = '{\"review\": true}' where name = 'bugfix'")
+    _, [d1, d2] = running(conn, "docs", 2)
+    _, [b1] = running(conn, "bugfix", 1)
+    assert complete_many(conn, [d2["id"], b1["id"], d1["id"]],
+                         [d2["lease_token"], b1["lease_token"], d1["lease_token"]]) == [
+        (d2["id"], "done"), (b1["id"], "review"), (d1["id"], "done")]
+    assert [(r["id"], r["state"], r["finished_at"] is not None) for r in rows(
+        conn, "select id, state, finished_at from fleet.tasks where id = any(%s) order by id",
+        ([d1["id"], d2["id"], b1["id"]],))] == sorted(
+        [(d1["id"], "done", True), (d2["id"], "done", True), (b1["id"], "review", False)])
+    assert sorted((r["task_id"], r["lane"], r["detail"]["state"]) for r in rows(
+        conn, "select task_id, lane, detail from fleet.events where kind = 'completed'")) == sorted(
+        [(d1["id"], "docs", "done"), (d2["id"], "docs", "done"), (b1["id"], "bugfix", "review")])
+
+
 def test_a_repaired_and_reclaimed_task_is_lost_to_its_old_token(lanes: psycopg.Connection) -> None:
     """The zombie case: the monitor released the task, another shift claimed it; the old shift's
     batch must not complete it under the new holder."""
