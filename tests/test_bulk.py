@@ -128,6 +128,29 @@ def test_enqueue_many_stores_what_enqueue_task_stores(lanes: psycopg.Connection)
     assert got[0]["created"] and task(conn, got[0]["id"])["lane"] == "bugfix"
 
 
+def test_enqueue_many_takes_a_tier_a_profile_and_a_budget(lanes: psycopg.Connection) -> None:
+    """As enqueue_task takes them: stored on the task, tier and profile in the journal."""
+    conn = lanes
+    conn.execute("""update fleet.lanes set config = '{"tiers": ["small", "large"]}' where name = 'docs'""")
+    conn.execute("insert into fleet.profiles (name) values ('opus')")
+    fields = {"tier": "large", "profile": "opus", "max_cost_usd": 2.5, "max_tokens": 40000}
+    enqueue_many(conn, "docs", [{"key": "bulk:1", **fields}, {"key": "bulk:2"}])
+    conn.execute("select fleet.enqueue_task('docs', 'one:1', '{}', 0, now(), null, null, 'large', 'opus', 2.5, 40000)")
+    cols = "tier, profile, max_cost_usd, max_tokens"
+    bulk = rows(conn, f"select {cols} from fleet.tasks where key = 'bulk:1'")[0]
+    assert bulk == rows(conn, f"select {cols} from fleet.tasks where key = 'one:1'")[0]
+    assert (bulk["tier"], bulk["profile"], float(bulk["max_cost_usd"]), bulk["max_tokens"]) == (
+        "large", "opus", 2.5, 40000)
+    assert rows(conn, f"select {cols} from fleet.tasks where key = 'bulk:2'")[0] == dict.fromkeys(
+        ("tier", "profile", "max_cost_usd", "max_tokens"))
+    detail = one(conn, "select detail from fleet.events e join fleet.tasks t on t.id = e.task_id"
+                       " where t.key = 'bulk:1' and e.kind = 'enqueued'")
+    assert (detail["tier"], detail["profile"]) == ("large", "opus")
+    # the claim runs it at its tier, with its profile
+    [got] = claim(conn, open_session(conn, "docs"), 1)
+    assert (got["key"], got["tier"], got["run_profile"]) == ("bulk:1", "large", "opus")
+
+
 def test_an_existing_key_keeps_its_task(lanes: psycopg.Connection) -> None:
     """As enqueue_task: the key's task is returned whatever lane or fields it is given now."""
     conn = lanes
@@ -162,6 +185,16 @@ BAD = [
     ("run_at and delay", {"key": "bad", "run_at": "2030-01-01T00:00:00Z", "delay_seconds": 5}, "docs", "LF005",
      "give run_at or delay_seconds, not both"),
     ("delay past the calendar", {"key": "bad", "delay_seconds": 1e300}, "docs", "LF005", "delay_seconds"),
+    ("tier number", {"key": "bad", "tier": 1}, "docs", "LF005", "tier must be a string, not a JSON number"),
+    ("unknown tier", {"key": "bad", "tier": "huge"}, "docs", "LF005", "lane docs has no tier 'huge'"),
+    ("profile number", {"key": "bad", "profile": 1}, "docs", "LF005", "profile must be a string"),
+    ("unknown profile", {"key": "bad", "profile": "nope"}, "docs", "LF005", "unknown profile 'nope'"),
+    ("max_cost_usd zero", {"key": "bad", "max_cost_usd": 0}, "docs", "LF005", "max_cost_usd must be above 0"),
+    ("max_cost_usd huge", {"key": "bad", "max_cost_usd": 1e9}, "docs", "LF005", "below 100,000,000"),
+    ("max_cost_usd string", {"key": "bad", "max_cost_usd": "5"}, "docs", "LF005", "max_cost_usd must be a number"),
+    ("max_tokens fraction", {"key": "bad", "max_tokens": 1.5}, "docs", "LF005", "max_tokens must be an integer of at least 1"),
+    ("max_tokens negative", {"key": "bad", "max_tokens": -5}, "docs", "LF005", "not -5"),
+    ("max_tokens string", {"key": "bad", "max_tokens": "5"}, "docs", "LF005", "max_tokens must be an integer, not a JSON string"),
 ]
 
 
@@ -582,6 +615,25 @@ def test_enqueue_from_a_file(cli: Any, db_url: str, tmp_path: Path) -> None:
     assert tasks_of(db_url)[-1][:4] == ("t:3", "docs", None, 2)
 
 
+def test_enqueue_from_a_file_with_tiers_profiles_and_budgets(cli: Any, db_url: str, tmp_path: Path) -> None:
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("""update fleet.lanes set config = '{"tiers": ["small", "large"]}' where name = 'docs'""")
+        c.execute("insert into fleet.profiles (name) values ('opus')")
+    (tmp_path / "tasks.jsonl").write_text(
+        '{"key": "b:1", "tier": "large", "profile": "opus", "max_cost_usd": 1.25, "max_tokens": 5000}\n'
+        '{"key": "b:2", "max_cost_usd": 3}\n')
+    r = cli("enqueue", "--from", "tasks.jsonl", "--lane", "docs")
+    assert r.returncode == 0, r.stderr
+    with psycopg.connect(db_url) as c:
+        got = c.execute("select key, tier, profile, max_cost_usd::float8, max_tokens from fleet.tasks order by id").fetchall()
+    assert got == [("b:1", "large", "opus", 1.25, 5000), ("b:2", None, None, 3.0, None)]
+    # a tier the lane does not name is found by the database and named by the line
+    (tmp_path / "more.jsonl").write_text('{"key": "b:3"}\n{"key": "b:4", "tier": "huge"}\n')
+    r = cli("enqueue", "--from", "more.jsonl", "--lane", "docs")
+    assert r.returncode == 1 and "more.jsonl line 2 (key 'b:4'): lane docs has no tier 'huge'" in r.stderr, r.stderr
+    assert len(tasks_of(db_url)) == 2
+
+
 def test_enqueue_from_stdin(cli: Any, db_url: str) -> None:
     r = cli("enqueue", "--from", "-", "-l", "review", stdin='{"key": "in:1", "run_at": "+10m"}\n{"key": "in:2"}\n')
     assert r.returncode == 0, r.stderr
@@ -601,10 +653,13 @@ def test_enqueue_from_stdin(cli: Any, db_url: str) -> None:
     ('{"key": "b:1"}\n{"key": "b:2", "run_at": "tomorrow"}\n', "docs", "tasks.jsonl line 2: \"run_at\" 'tomorrow'"),
     ('{"key": "b:1"}\n{"key": "b:2", "colour": "red"}\n', "docs", "tasks.jsonl line 2: unknown field 'colour'"),
     ('{"key": "b:1", "lane": "docs"}\n{"key": "b:2"}\n', None, "tasks.jsonl line 2: no lane"),
+    ('{"key": "b:1"}\n{"key": "b:2", "tier": 2}\n', "docs", "tasks.jsonl line 2: \"tier\" must be a string"),
+    ('{"key": "b:1"}\n{"key": "b:2", "max_cost_usd": -1}\n', "docs", "tasks.jsonl line 2: \"max_cost_usd\" must be"),
+    ('{"key": "b:1"}\n{"key": "b:2", "max_tokens": true}\n', "docs", "tasks.jsonl line 2: \"max_tokens\" must be"),
     # found by the database, named by the line: an unknown lane (one line checked only there)
     ('{"key": "b:1"}\n\n{"key": "b:2", "lane": "nope"}\n', "docs", "tasks.jsonl line 3 (key 'b:2'): unknown lane 'nope'"),
 ], ids=["json", "key", "array", "priority-type", "priority-bool", "payload", "run-at", "field", "no-lane",
-        "unknown-lane"])
+        "tier-type", "cost", "tokens", "unknown-lane"])
 def test_a_bad_line_queues_nothing(cli: Any, db_url: str, tmp_path: Path, content: str, lane: str | None,
                                    message: str) -> None:
     (tmp_path / "tasks.jsonl").write_text(content)

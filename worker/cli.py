@@ -171,7 +171,8 @@ def parse_run_at(value: str | None) -> tuple[datetime | None, float | None]:
 
 
 # the fields of a line of `fleet enqueue --from` (those of fleet.enqueue_many, run_at as --run-at takes it)
-TASK_LINE_FIELDS = ("key", "lane", "payload", "title", "priority", "run_at", "max_attempts")
+TASK_LINE_FIELDS = ("key", "lane", "payload", "title", "priority", "run_at", "max_attempts", "tier", "profile",
+                    "max_cost_usd", "max_tokens")
 
 
 def parse_task_lines(text: str, source: str, default_lane: str | None) -> list[tuple[int, dict[str, Any]]]:
@@ -224,6 +225,24 @@ def parse_task_lines(text: str, source: str, default_lane: str | None) -> list[t
             raise InvalidInput(f"{where}: \"max_attempts\" must be an integer of at least 1, not {max_attempts!r}")
         if max_attempts is not None:
             task["max_attempts"] = max_attempts
+        for name in ("tier", "profile"):  # whether the lane names the tier, the profile exists: the database says
+            value = data.get(name)
+            if value is not None and not isinstance(value, str):
+                raise InvalidInput(f"{where}: \"{name}\" must be a string, not a {type(value).__name__}")
+            if value is not None:
+                task[name] = value
+        max_cost = data.get("max_cost_usd")
+        if max_cost is not None and (isinstance(max_cost, bool) or not isinstance(max_cost, int | float)
+                                     or not 0 < max_cost < 1e8):
+            raise InvalidInput(f"{where}: \"max_cost_usd\" must be a number above 0, not {max_cost!r}")
+        if max_cost is not None:
+            task["max_cost_usd"] = max_cost
+        max_tok = data.get("max_tokens")
+        if max_tok is not None and (isinstance(max_tok, bool) or not isinstance(max_tok, int)
+                                    or not 1 <= max_tok <= 2**63 - 1):
+            raise InvalidInput(f"{where}: \"max_tokens\" must be an integer of at least 1, not {max_tok!r}")
+        if max_tok is not None:
+            task["max_tokens"] = max_tok
         run_at = data.get("run_at")
         if run_at is not None:
             if not isinstance(run_at, str):
@@ -285,7 +304,8 @@ def enqueue(
     max_attempts: Annotated[int | None, typer.Option("--max-attempts", help="override the lane's cap")] = None,
     from_file: Annotated[str | None, typer.Option(
         "--from", help="queue the tasks of a JSON Lines file ('-': stdin), one object per line: key, and "
-                       "optionally lane, payload, title, priority, run_at, max_attempts. All or nothing")] = None,
+                       "optionally lane, payload, title, priority, run_at, max_attempts, tier, profile, "
+                       "max_cost_usd, max_tokens. All or nothing")] = None,
     lane_option: Annotated[str | None, typer.Option("--lane", "-l", help="the lane (the same as LANE)")] = None,
     tier: Annotated[str | None, typer.Option("--tier", help="the tier the first attempt runs at (default: the lane's)")] = None,
     profile: Annotated[str | None, typer.Option("--profile", help="a dispatch profile (default: the lane's pools)")] = None,

@@ -339,7 +339,8 @@ class PostgresStore(NamedReads):
     def enqueue_many(self, lane: str | None, tasks: Sequence[Mapping[str, Any]]) -> list[tuple[int, bool]]:
         """Queue many tasks in one transaction, all or nothing (``fleet.enqueue_many``). Each task is
         a mapping with ``key`` and optionally ``lane`` (default: ``lane``), ``payload``, ``title``,
-        ``priority``, ``run_at`` (a datetime or ISO text) or ``delay_seconds``, ``max_attempts``.
+        ``priority``, ``run_at`` (a datetime or ISO text) or ``delay_seconds``, ``max_attempts``,
+        ``tier``, ``profile``, ``max_cost_usd``, ``max_tokens``.
         (id, created) per task, in order; idempotent on key, so a retry is safe. A bad task raises
         the error enqueue would, its message starting ``p_tasks[<index>] (key '<key>'):``."""
         if not tasks:
