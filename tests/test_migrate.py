@@ -23,6 +23,7 @@ from worker.migrate import (
     fingerprint,
     load_migrations,
     migrate,
+    newer,
     pending,
     split_statements,
 )
@@ -163,6 +164,51 @@ def test_second_run_applies_nothing(empty_db_url: str, ours: list[Migration]) ->
     assert again.already == vers(ours)
     assert rows(empty_db_url) == before
     fleet_works(empty_db_url)
+
+
+def test_a_database_migrated_by_a_newer_lanefleet_is_seen(empty_db_url: str, ours: list[Migration]) -> None:
+    """Code that lacks the last migration (an older checkout on another host) names it; the
+    project's own migrations in the same table are not lanefleet's and do not count."""
+    migrate(empty_db_url, migrations=ours)
+    with psycopg.connect(empty_db_url, autocommit=True) as c:
+        c.execute("insert into supabase_migrations.schema_migrations (version, statements, name)"
+                  " values ('20991231000000', '{}', 'app_orders')")
+        assert newer(c, ours) == []
+        last = ours[-1]
+        assert newer(c, ours[:-1]) == [f"{last.version}_{last.name}"]
+    older = migrate(empty_db_url, migrations=ours[:-1])
+    assert older.applied == [] and older.newer == [f"{last.version}_{last.name}"]
+
+
+def test_work_on_a_newer_database_is_refused_unless_allowed(
+    empty_db_url: str, ours: list[Migration], tmp_path: Path
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    migrate(empty_db_url, migrations=ours)
+    with psycopg.connect(empty_db_url, autocommit=True) as c:
+        c.execute("insert into supabase_migrations.schema_migrations (version, statements, name)"
+                  " values ('20991231000000', '{}', 'fleet_from_the_future')")
+    (tmp_path / "fleet.toml").write_text(
+        '[lanes.docs]\ncommand = ["python", "-m", "worker.example_agent", "{prompt_file}"]\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    env.update({"DATABASE_URL": empty_db_url, "FLEET_CONFIG": str(tmp_path / "fleet.toml"), "COLUMNS": "200"})
+
+    def fleet(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "monitor.cli", *args], cwd=tmp_path, env={**env, **extra},
+                              capture_output=True, text=True, timeout=120)
+
+    r = fleet("status")
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    assert "migrated by a newer lanefleet" in r.stderr and "20991231000000_fleet_from_the_future" in r.stderr
+    assert "upgrade lanefleet on this host" in r.stderr
+    r = fleet("status", FLEET_ALLOW_NEWER_SCHEMA="1")
+    assert r.returncode == 0, r.stderr
+    r = fleet("migrate", "--json")
+    assert "20991231000000_fleet_from_the_future" in r.stderr
 
 
 def test_dry_run_lists_pending_and_applies_nothing(

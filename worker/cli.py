@@ -74,12 +74,16 @@ def migrate(
         result = run_migrations(r.url, dry_run=dry_run)
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable(f"cannot connect to the database: {exc}") from None
+    if result.newer:
+        err_console.print(f"warning: the database has {len(result.newer)} lanefleet migration(s) this lanefleet does"
+                          f" not have ({result.newer[0]}…): it was migrated by a newer version; upgrade this host")
     lanes = r.sync_lanes() if sync and not dry_run else {}
     if as_json:
         emit_json({
             "applied": [m.path.name for m in result.applied],
             "pending": [m.path.name for m in result.pending],
             "already_applied": len(result.already),
+            "newer": result.newer,
             "lanes": lanes,
         })
         return

@@ -65,6 +65,7 @@ class MigrateResult:
     applied: list[Migration] = field(default_factory=list)
     pending: list[Migration] = field(default_factory=list)  # what a dry run would apply
     already: list[str] = field(default_factory=list)  # versions found applied
+    newer: list[str] = field(default_factory=list)  # lanefleet migrations applied that this code lacks
 
 
 def fingerprint(text: str) -> str:
@@ -178,6 +179,23 @@ def pending(conn: psycopg.Connection, migrations: Sequence[Migration] | None = N
     return [m for m in migrations if m.version not in applied]
 
 
+def newer(conn: psycopg.Connection, migrations: Sequence[Migration] | None = None) -> list[str]:
+    """lanefleet's migrations applied to this database that ``migrations`` (default: this code's)
+    do not have, as ``<version>_<name>``: the database was migrated by a newer lanefleet (another
+    host, or a later checkout). Only names starting ``fleet_`` count: a Supabase project's table also
+    holds the project's own migrations."""
+    migrations = load_migrations() if migrations is None else migrations
+    exists = conn.execute("select to_regclass('supabase_migrations.schema_migrations')").fetchone()
+    if not exists or exists[0] is None:
+        return []
+    known = {m.version for m in migrations}
+    rows = conn.execute(
+        "select version, coalesce(name, '') from supabase_migrations.schema_migrations"
+        " where name like 'fleet\\_%' order by version"
+    ).fetchall()
+    return [f"{v}_{n}" for v, n in rows if v not in known]
+
+
 def migrate(
     conninfo: str, *, dry_run: bool = False, migrations: Sequence[Migration] | None = None
 ) -> MigrateResult:
@@ -190,6 +208,7 @@ def migrate(
             applied = _applied(conn)
             _check_unedited(migrations, applied)
         result.already = sorted(v for v in applied if v in {m.version for m in migrations})
+        result.newer = newer(conn, migrations)
         if dry_run:
             result.pending = [m for m in migrations if m.version not in applied]
             return result

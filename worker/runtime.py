@@ -5,6 +5,7 @@ No DATABASE_URL and no ``[database] url``: the embedded Postgres under ``[fleet]
 
 from __future__ import annotations
 
+import os
 from functools import cached_property
 from pathlib import Path
 from typing import cast
@@ -13,7 +14,7 @@ import psycopg
 
 from worker.config import FleetConfig, load_config
 from worker.errors import DatabaseUnavailable, MigrationError
-from worker.migrate import pending
+from worker.migrate import newer, pending
 from worker.store import PostgresStore, sync_config
 
 
@@ -58,16 +59,25 @@ class Runtime:
         return self._store
 
     def check_schema(self) -> None:
-        """Refuse to work on a database that lacks migrations this code needs."""
+        """Refuse to work on a database that lacks migrations this code needs, or that a newer
+        lanefleet migrated (its functions may no longer be the ones this code calls).
+        FLEET_ALLOW_NEWER_SCHEMA=1 allows the latter."""
         try:
             with psycopg.connect(self.url, connect_timeout=10) as conn:
                 missing = pending(conn)
+                ahead = newer(conn)
         except psycopg.OperationalError as exc:
             raise DatabaseUnavailable(f"cannot connect to the database: {exc}".strip()) from None
         if missing:
             raise MigrationError(
                 f"the database lacks {len(missing)} migration(s) ({missing[0].path.name}…)",
                 "run `fleet migrate`",
+            )
+        if ahead and os.environ.get("FLEET_ALLOW_NEWER_SCHEMA") != "1":
+            raise MigrationError(
+                f"the database was migrated by a newer lanefleet: {len(ahead)} migration(s) this one does not"
+                f" have ({ahead[0]}…)",
+                "upgrade lanefleet on this host (git pull && uv sync); FLEET_ALLOW_NEWER_SCHEMA=1 runs it anyway",
             )
 
     def sync_lanes(self) -> dict[str, str]:

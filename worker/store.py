@@ -192,7 +192,9 @@ def translate(exc: psycopg.Error) -> Exception:
     if isinstance(exc, psycopg.errors.IntegrityError | psycopg.errors.DataError):
         return InvalidInput(diag.message_primary or str(exc), diag.message_detail)
     if isinstance(exc, psycopg.errors.UndefinedFunction | psycopg.errors.UndefinedTable):
-        return FleetError(diag.message_primary or str(exc), "the database is not migrated: run `fleet migrate`")
+        return FleetError(diag.message_primary or str(exc),
+                          "the database is not migrated (run `fleet migrate`), or a newer lanefleet migrated it"
+                          " (upgrade this host)")
     return exc
 
 
