@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import sys
@@ -19,7 +20,7 @@ from rich.table import Table
 from monitor.host import ShiftLauncher, crontab_lines, shift_env
 from monitor.reconcile import monitor_pass
 from worker.cli import JsonOpt, console, err_console, rt
-from worker.config import parse_duration
+from worker.config import env_settings, parse_duration
 from worker.errors import FleetError, InvalidInput
 from worker.migrate import migrate as run_migrations
 from worker.models import RepairAction
@@ -135,6 +136,16 @@ def crontab(
     r = rt(ctx)
     fleet_bin = shutil.which("fleet") or str(Path(sys.executable).with_name("fleet"))
     folder = (lock_dir or r.cfg.path(r.cfg.fleet.home) / "cron").resolve()
+    # cron starts its jobs with an environment of its own: what this one sets, they would not see
+    # (a DATABASE_URL only here, and the shifts would run on the embedded database instead)
+    unseen = env_settings(os.environ)
+    if unseen:
+        names = ", ".join(unseen)
+        err_console.print(f"warning: this config also comes from the environment ({names}), which cron does not "
+                          "pass: put those settings in fleet.toml, or NAME=value lines at the top of the crontab",
+                          soft_wrap=True)
+        print(f"# warning: set by the environment of `fleet crontab`, not seen by these jobs: {names}")
+        print("#   (put them in fleet.toml, or as NAME=value lines here; they are not printed)")
     for line in crontab_lines(r.cfg, fleet_bin=fleet_bin, workdir=r.cfg.base_dir, config=r.cfg.source,
                               lock_dir=folder):
         print(line)

@@ -466,6 +466,24 @@ def test_fleet_crontab(make_fleet):
     locks = [w for w in shlex.split(shift_lines["docs"].split(None, 5)[5].replace(";", " ").replace("||", " "))
              if w.endswith(".lock")]
     assert len(set(locks)) == 2 and all(os.path.isabs(x) for x in locks)
+    # the database (and on supabase the store and key) came from this environment, which cron does not
+    # pass: said, by name only, on stderr and in the crontab
+    warned = [ln for ln in lines if ln.startswith("# warning")]
+    assert len(warned) == 1 and "DATABASE_URL" in warned[0], lines
+    assert "DATABASE_URL" in out.stderr and "cron does not pass" in out.stderr, out.stderr
+    for value in fleet.env("operator").values():
+        if len(value) > 20 and "/" not in value.strip("/"):  # keys and URLs: never printed
+            assert value not in out.stdout
+
+
+def test_fleet_crontab_is_quiet_when_the_config_file_says_it_all(make_fleet, tmp_path):
+    fleet = make_fleet({"docs": lane(cron="*/10 * * * *")})
+    env = {k: v for k, v in fleet.env("operator").items()
+           if k not in {"DATABASE_URL", "SUPABASE_URL", "SUPABASE_ANON_KEY", "FLEET_KEY", "FLEET_WORKER_KEY"}
+           and not (k.startswith("FLEET_") and "__" in k)}
+    out = fleet.cli("crontab", env=env)
+    assert out.returncode == 0, out.stderr
+    assert "warning" not in out.stdout and "warning" not in out.stderr
 
 
 @pytest.mark.parametrize(("every", "fields"), [("30s", "*/1 * * * *"), ("5m", "*/5 * * * *"),

@@ -17,6 +17,7 @@ import os
 import re
 import shlex
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -371,6 +372,19 @@ def _set_path(data: dict[str, Any], path: list[str], value: str) -> None:
         except ValueError:
             raw = value
     node[path[-1]] = raw
+
+
+# variables read by name, besides FLEET_<SECTION>__<FIELD> (which override the file's fields)
+ENV_SETTINGS = ("DATABASE_URL", "SUPABASE_URL", "SUPABASE_ANON_KEY", "FLEET_KEY", "FLEET_WORKER_KEY",
+                "FLEET_ALLOW_NEWER_SCHEMA")
+
+
+def env_settings(environ: Mapping[str, str]) -> list[str]:
+    """The names of the set environment variables that change what ``fleet`` does with a config:
+    what a process started with another environment (cron's) would not see."""
+    overrides = [k for k in environ
+                 if k.startswith("FLEET_") and "__" in k and all(k[len("FLEET_"):].split("__"))]
+    return sorted(set(overrides) | {k for k in ENV_SETTINGS if environ.get(k)})
 
 
 def _env_overrides(data: dict[str, Any], environ: dict[str, str]) -> None:
