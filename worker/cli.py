@@ -212,41 +212,26 @@ def parse_task_lines(text: str, source: str, default_lane: str | None) -> list[t
             raise InvalidInput(f"{where}: \"payload\" must be a JSON object, not a {type(payload).__name__}")
         if payload is not None:
             task["payload"] = payload
-        title = data.get("title")
-        if title is not None and not isinstance(title, str):
-            raise InvalidInput(f"{where}: \"title\" must be a string, not a {type(title).__name__}")
-        if title is not None:
-            task["title"] = title
-        priority = data.get("priority")
-        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
-                                     or not 0 <= priority <= 1000):
-            raise InvalidInput(f"{where}: \"priority\" must be an integer from 0 to 1000, not {priority!r}")
-        if priority is not None:
-            task["priority"] = priority
-        max_attempts = data.get("max_attempts")
-        if max_attempts is not None and (isinstance(max_attempts, bool) or not isinstance(max_attempts, int)
-                                         or not 1 <= max_attempts <= 2**31 - 1):
-            raise InvalidInput(f"{where}: \"max_attempts\" must be an integer of at least 1, not {max_attempts!r}")
-        if max_attempts is not None:
-            task["max_attempts"] = max_attempts
-        for name in ("tier", "profile"):  # whether the lane names the tier, the profile exists: the database says
+        # the strings (whether the lane names the tier, whether the profile exists: the database says)
+        for name in ("title", "tier", "profile"):
             value = data.get(name)
             if value is not None and not isinstance(value, str):
                 raise InvalidInput(f"{where}: \"{name}\" must be a string, not a {type(value).__name__}")
             if value is not None:
                 task[name] = value
-        max_cost = data.get("max_cost_usd")
-        if max_cost is not None and (isinstance(max_cost, bool) or not isinstance(max_cost, int | float)
-                                     or not 0 < max_cost < 1e8):
-            raise InvalidInput(f"{where}: \"max_cost_usd\" must be a number above 0, not {max_cost!r}")
-        if max_cost is not None:
-            task["max_cost_usd"] = max_cost
-        max_tok = data.get("max_tokens")
-        if max_tok is not None and (isinstance(max_tok, bool) or not isinstance(max_tok, int)
-                                    or not 1 <= max_tok <= 2**63 - 1):
-            raise InvalidInput(f"{where}: \"max_tokens\" must be an integer of at least 1, not {max_tok!r}")
-        if max_tok is not None:
-            task["max_tokens"] = max_tok
+        # the numbers: (field, types, lowest, highest, what the error says it must be)
+        for name, types, low, high, must in (
+            ("priority", (int,), 0, 1000, "an integer from 0 to 1000"),
+            ("max_attempts", (int,), 1, 2**31 - 1, "an integer of at least 1"),
+            ("max_cost_usd", (int, float), 1e-6, 1e8 - 1e-6, "a number above 0"),
+            ("max_tokens", (int,), 1, 2**63 - 1, "an integer of at least 1"),
+        ):
+            value = data.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, types)
+                                      or not low <= value <= high):
+                raise InvalidInput(f"{where}: \"{name}\" must be {must}, not {value!r}")
+            if value is not None:
+                task[name] = value
         run_at = data.get("run_at")
         if run_at is not None:
             if not isinstance(run_at, str):
