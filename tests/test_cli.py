@@ -133,7 +133,7 @@ def test_migrate_an_empty_database(empty_db_url: str, tmp_path: Path, home: Path
     # a changed lane is synced by the next migrate; --json is parseable
     cfg.write_text(FLEET_TOML.replace("max_running = 2", "max_running = 5"))
     data = json.loads(ok(fleet("migrate", "--json", url=empty_db_url, config=cfg, cwd=tmp_path)))
-    assert data == {"applied": [], "pending": [], "already_applied": len(load_migrations()),
+    assert data == {"applied": [], "pending": [], "already_applied": len(load_migrations()), "newer": [],
                     "lanes": {"docs": "updated", "review": "unchanged"}}
 
     lanes = json.loads(ok(fleet("lanes", "list", "--json", url=empty_db_url, config=cfg, cwd=tmp_path)))
