@@ -188,12 +188,25 @@ def newer(conn: psycopg.Connection, migrations: Sequence[Migration] | None = Non
     exists = conn.execute("select to_regclass('supabase_migrations.schema_migrations')").fetchone()
     if not exists or exists[0] is None:
         return []
-    known = {m.version for m in migrations}
     rows = conn.execute(
         "select version, coalesce(name, '') from supabase_migrations.schema_migrations"
         " where name like 'fleet\\_%' order by version"
     ).fetchall()
-    return [f"{v}_{n}" for v, n in rows if v not in known]
+    return unknown_of([f"{v}_{n}" for v, n in rows], migrations)
+
+
+NEWER_SCHEMA_HINT = "upgrade lanefleet on this host (git pull && uv sync); FLEET_ALLOW_NEWER_SCHEMA=1 runs it anyway"
+
+
+def newer_schema_message(ahead: Sequence[str]) -> str:
+    return (f"the database was migrated by a newer lanefleet: {len(ahead)} migration(s) this one does not"
+            f" have ({ahead[0]}…)")
+
+
+def unknown_of(applied: Sequence[str], migrations: Sequence[Migration]) -> list[str]:
+    """Of ``applied`` (``<version>_<name>``), those whose version ``migrations`` do not have."""
+    known = {m.version for m in migrations}
+    return [a for a in applied if a.split("_", 1)[0] not in known]
 
 
 def migrate(

@@ -14,7 +14,7 @@ import psycopg
 
 from worker.config import FleetConfig, load_config
 from worker.errors import DatabaseUnavailable, MigrationError
-from worker.migrate import newer, pending
+from worker.migrate import NEWER_SCHEMA_HINT, newer, newer_schema_message, pending
 from worker.store import PostgresStore, sync_config
 
 
@@ -74,11 +74,7 @@ class Runtime:
                 "run `fleet migrate`",
             )
         if ahead and os.environ.get("FLEET_ALLOW_NEWER_SCHEMA") != "1":
-            raise MigrationError(
-                f"the database was migrated by a newer lanefleet: {len(ahead)} migration(s) this one does not"
-                f" have ({ahead[0]}…)",
-                "upgrade lanefleet on this host (git pull && uv sync); FLEET_ALLOW_NEWER_SCHEMA=1 runs it anyway",
-            )
+            raise MigrationError(newer_schema_message(ahead), NEWER_SCHEMA_HINT)
 
     def sync_lanes(self) -> dict[str, str]:
         store = self.store()

@@ -368,8 +368,14 @@ class SupabaseStore(NamedReads):
     # -- reads
 
     def check_schema(self) -> None:
-        """Refuse to work on a database that lacks migrations this code needs."""
-        from worker.migrate import load_migrations
+        """Refuse to work on a database that lacks migrations this code needs, or that a newer
+        lanefleet migrated (FLEET_ALLOW_NEWER_SCHEMA=1 allows the latter)."""
+        from worker.migrate import (
+            NEWER_SCHEMA_HINT,
+            load_migrations,
+            newer_schema_message,
+            unknown_of,
+        )
 
         try:
             applied = set(self._rpc("schema_versions", {}) or [])
@@ -379,10 +385,14 @@ class SupabaseStore(NamedReads):
             raise MigrationError(f"the project does not have lanefleet's schema: {exc.message}",
                                  "run `fleet migrate` with the project's connection string, and expose "
                                  "schema fleet in the API settings") from None
-        missing = [m for m in load_migrations() if m.version not in applied]
+        ours = load_migrations()
+        missing = [m for m in ours if m.version not in applied]
         if missing:
             raise MigrationError(f"the database lacks {len(missing)} migration(s) ({missing[0].path.name}…)",
                                  "run `fleet migrate` with the project's connection string")
+        ahead = unknown_of(self._rpc("schema_migration_names", {}) or [], ours)
+        if ahead and os.environ.get("FLEET_ALLOW_NEWER_SCHEMA") != "1":
+            raise MigrationError(newer_schema_message(ahead), NEWER_SCHEMA_HINT)
 
     def query(self, name: str, **params: Any) -> list[dict[str, Any]]:
         """The named queries of queries.sql, each as its REST equivalent (same rows)."""

@@ -198,6 +198,25 @@ def test_check_schema(rest: SupabaseStore, lanes: DevStack) -> None:
     rest.check_schema()
 
 
+def test_check_schema_refuses_a_database_migrated_by_a_newer_lanefleet(
+    rest: SupabaseStore, lanes: DevStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("FLEET_ALLOW_NEWER_SCHEMA", raising=False)
+    sql(lanes, "insert into supabase_migrations.schema_migrations (version, statements, name) values"
+               " ('20991231000000', '{}', 'fleet_from_the_future'), ('20991231000001', '{}', 'app_orders')")
+    try:
+        with pytest.raises(MigrationError, match="migrated by a newer lanefleet") as info:
+            rest.check_schema()
+        assert "20991231000000_fleet_from_the_future" in str(info.value)
+        assert "app_orders" not in str(info.value)  # the project's own migrations do not count
+        monkeypatch.setenv("FLEET_ALLOW_NEWER_SCHEMA", "1")
+        rest.check_schema()
+    finally:
+        sql(lanes, "delete from supabase_migrations.schema_migrations where version >= '20991231000000'")
+    monkeypatch.delenv("FLEET_ALLOW_NEWER_SCHEMA")
+    rest.check_schema()
+
+
 def test_runtime_picks_the_supabase_store_from_config(lanes: DevStack, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     toml = tmp_path / "fleet.toml"
