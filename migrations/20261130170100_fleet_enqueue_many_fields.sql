@@ -89,7 +89,9 @@ begin
                         and not exists (select 1 from fleet.profiles pf where pf.name = e.t ->> 'profile') then 'profile'
                    when coalesce(jsonb_typeof(e.t -> 'max_cost_usd'), 'null') not in ('number', 'null')
                         then 'max_cost_type'
-                   when (e.t ->> 'max_cost_usd')::numeric <= 0 or (e.t ->> 'max_cost_usd')::numeric >= 1e8
+                   -- (as the column stores it, to the microdollar)
+                   when round((e.t ->> 'max_cost_usd')::numeric, 6) <= 0
+                        or round((e.t ->> 'max_cost_usd')::numeric, 6) >= 1e8
                         then 'max_cost'
                    when coalesce(jsonb_typeof(e.t -> 'max_tokens'), 'null') not in ('number', 'null')
                         then 'max_tokens_type'
@@ -187,7 +189,7 @@ begin
             perform fleet._raise('LF005', v_where || format('max_cost_usd must be a number, not a JSON %s',
                 jsonb_typeof(v_bad.detail -> 'max_cost_usd')));
         when 'max_cost' then
-            perform fleet._raise('LF005', v_where || format('max_cost_usd must be above 0 and below 100,000,000, not %s',
+            perform fleet._raise('LF005', v_where || format('max_cost_usd must be at least 0.000001 and below 100,000,000, not %s',
                 left(v_bad.detail ->> 'max_cost_usd', 40)), 'a task budget must be positive');
         when 'max_tokens_type' then
             perform fleet._raise('LF005', v_where || format('max_tokens must be an integer, not a JSON %s',

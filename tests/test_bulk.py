@@ -189,8 +189,11 @@ BAD = [
     ("unknown tier", {"key": "bad", "tier": "huge"}, "docs", "LF005", "lane docs has no tier 'huge'"),
     ("profile number", {"key": "bad", "profile": 1}, "docs", "LF005", "profile must be a string"),
     ("unknown profile", {"key": "bad", "profile": "nope"}, "docs", "LF005", "unknown profile 'nope'"),
-    ("max_cost_usd zero", {"key": "bad", "max_cost_usd": 0}, "docs", "LF005", "max_cost_usd must be above 0"),
+    ("max_cost_usd zero", {"key": "bad", "max_cost_usd": 0}, "docs", "LF005", "max_cost_usd must be at least"),
     ("max_cost_usd huge", {"key": "bad", "max_cost_usd": 1e9}, "docs", "LF005", "below 100,000,000"),
+    # as numeric(14,6) stores them: rounded to 0, or up to 100,000,000
+    ("max_cost_usd rounds to 0", {"key": "bad", "max_cost_usd": 0.0000001}, "docs", "LF005", "at least 0.000001"),
+    ("max_cost_usd rounds up", {"key": "bad", "max_cost_usd": 99999999.9999999}, "docs", "LF005", "below 100,000,000"),
     ("max_cost_usd string", {"key": "bad", "max_cost_usd": "5"}, "docs", "LF005", "max_cost_usd must be a number"),
     ("max_tokens fraction", {"key": "bad", "max_tokens": 1.5}, "docs", "LF005", "max_tokens must be an integer of at least 1"),
     ("max_tokens negative", {"key": "bad", "max_tokens": -5}, "docs", "LF005", "not -5"),

@@ -6,6 +6,7 @@ migrated by ``fleet migrate`` looks pushed to ``supabase db push`` and the other
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -208,7 +209,11 @@ def test_work_on_a_newer_database_is_refused_unless_allowed(
     r = fleet("status", FLEET_ALLOW_NEWER_SCHEMA="1")
     assert r.returncode == 0, r.stderr
     r = fleet("migrate", "--json")
-    assert "20991231000000_fleet_from_the_future" in r.stderr
+    assert r.returncode == 1 and r.stdout == "", (r.stdout, r.stderr)
+    assert "migrated by a newer lanefleet" in r.stderr and "20991231000000_fleet_from_the_future" in r.stderr
+    r = fleet("migrate", "--json", FLEET_ALLOW_NEWER_SCHEMA="1")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["newer"] == ["20991231000000_fleet_from_the_future"]
 
 
 def test_dry_run_lists_pending_and_applies_nothing(

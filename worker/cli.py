@@ -8,6 +8,7 @@ nothing (the SQL functions validate before they write).
 from __future__ import annotations
 
 import json
+import os
 import re
 from datetime import datetime
 from pathlib import Path
@@ -19,7 +20,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from worker.errors import DatabaseUnavailable, FleetError, InvalidInput
+from worker.errors import DatabaseUnavailable, FleetError, InvalidInput, MigrationError
+from worker.migrate import NEWER_SCHEMA_HINT, newer_schema_message
 from worker.migrate import migrate as run_migrations
 from worker.runtime import Runtime
 
@@ -74,9 +76,9 @@ def migrate(
         result = run_migrations(r.url, dry_run=dry_run)
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable(f"cannot connect to the database: {exc}") from None
-    if result.newer:
-        err_console.print(f"warning: the database has {len(result.newer)} lanefleet migration(s) this lanefleet does"
-                          f" not have ({result.newer[0]}…): it was migrated by a newer version; upgrade this host")
+    if result.newer and os.environ.get("FLEET_ALLOW_NEWER_SCHEMA") != "1":
+        # (after applying its own: this host's lane sync and shifts must not call what a newer one changed)
+        raise MigrationError(newer_schema_message(result.newer), NEWER_SCHEMA_HINT)
     lanes = r.sync_lanes() if sync and not dry_run else {}
     if as_json:
         emit_json({
@@ -223,7 +225,7 @@ def parse_task_lines(text: str, source: str, default_lane: str | None) -> list[t
         for name, types, low, high, must in (
             ("priority", (int,), 0, 1000, "an integer from 0 to 1000"),
             ("max_attempts", (int,), 1, 2**31 - 1, "an integer of at least 1"),
-            ("max_cost_usd", (int, float), 1e-6, 1e8 - 1e-6, "a number above 0"),
+            ("max_cost_usd", (int, float), 1e-6, 1e8 - 1e-6, "a number from 0.000001 to 99,999,999.999999"),
             ("max_tokens", (int,), 1, 2**63 - 1, "an integer of at least 1"),
         ):
             value = data.get(name)

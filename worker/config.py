@@ -376,7 +376,10 @@ def _set_path(data: dict[str, Any], path: list[str], value: str) -> None:
 
 # variables read by name, besides FLEET_<SECTION>__<FIELD> (which override the file's fields)
 ENV_SETTINGS = ("DATABASE_URL", "SUPABASE_URL", "SUPABASE_ANON_KEY", "FLEET_KEY", "FLEET_WORKER_KEY",
-                "FLEET_ALLOW_NEWER_SCHEMA")
+                "FLEET_ALLOW_NEWER_SCHEMA",
+                # libpq's own, which a database URL without them relies on
+                "PGHOST", "PGHOSTADDR", "PGPORT", "PGUSER", "PGPASSWORD", "PGPASSFILE", "PGDATABASE", "PGSERVICE",
+                "PGSERVICEFILE", "PGSSLMODE", "PGSSLROOTCERT", "PGSSLCERT", "PGSSLKEY", "PGOPTIONS")
 
 
 def env_settings(environ: Mapping[str, str]) -> list[str]:
