@@ -8,7 +8,6 @@ nothing (the SQL functions validate before they write).
 from __future__ import annotations
 
 import json
-import os
 import re
 from datetime import datetime
 from pathlib import Path
@@ -20,9 +19,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from worker.errors import DatabaseUnavailable, FleetError, InvalidInput, MigrationError
-from worker.migrate import NEWER_SCHEMA_HINT, newer_schema_message
+from worker.errors import DatabaseUnavailable, FleetError, InvalidInput
 from worker.migrate import migrate as run_migrations
+from worker.migrate import refuse_newer
 from worker.runtime import Runtime
 
 console = Console()
@@ -76,9 +75,8 @@ def migrate(
         result = run_migrations(r.url, dry_run=dry_run)
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable(f"cannot connect to the database: {exc}") from None
-    if result.newer and os.environ.get("FLEET_ALLOW_NEWER_SCHEMA") != "1":
-        # (after applying its own: this host's lane sync and shifts must not call what a newer one changed)
-        raise MigrationError(newer_schema_message(result.newer), NEWER_SCHEMA_HINT)
+    # (after applying its own: this host's lane sync and shifts must not call what a newer one changed)
+    refuse_newer(result.newer)
     lanes = r.sync_lanes() if sync and not dry_run else {}
     if as_json:
         emit_json({

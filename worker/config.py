@@ -385,17 +385,22 @@ ENV_SETTINGS = ("DATABASE_URL", "SUPABASE_URL", "SUPABASE_ANON_KEY", "FLEET_KEY"
 def env_settings(environ: Mapping[str, str]) -> list[str]:
     """The names of the set environment variables that change what ``fleet`` does with a config:
     what a process started with another environment (cron's) would not see."""
-    overrides = [k for k in environ
-                 if k.startswith("FLEET_") and "__" in k and all(k[len("FLEET_"):].split("__"))]
+    overrides = [k for k in environ if _override_path(k)]
     return sorted(set(overrides) | {k for k in ENV_SETTINGS if environ.get(k)})
+
+
+def _override_path(key: str) -> list[str] | None:
+    """The config path a FLEET_<SECTION>__<FIELD> variable sets (lowercase), or None."""
+    if not (key.startswith("FLEET_") and "__" in key):
+        return None
+    parts = [p.lower() for p in key[len("FLEET_"):].split("__")]
+    return parts if all(parts) else None
 
 
 def _env_overrides(data: dict[str, Any], environ: dict[str, str]) -> None:
     for key, value in sorted(environ.items()):
-        if key.startswith("FLEET_") and "__" in key:
-            parts = [p.lower() for p in key[len("FLEET_"):].split("__")]
-            if all(parts):
-                _set_path(data, parts, value)
+        if (parts := _override_path(key)) is not None:
+            _set_path(data, parts, value)
     url = environ.get("FLEET_DATABASE__URL") or environ.get("DATABASE_URL")
     if url:
         data.setdefault("database", {})["url"] = url

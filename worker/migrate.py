@@ -17,6 +17,7 @@ It keeps its record in the Supabase CLI's own table, ``supabase_migrations.schem
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -195,12 +196,15 @@ def newer(conn: psycopg.Connection, migrations: Sequence[Migration] | None = Non
     return unknown_of([f"{v}_{n}" for v, n in rows], migrations)
 
 
-NEWER_SCHEMA_HINT = "upgrade lanefleet on this host (git pull && uv sync); FLEET_ALLOW_NEWER_SCHEMA=1 runs it anyway"
-
-
-def newer_schema_message(ahead: Sequence[str]) -> str:
-    return (f"the database was migrated by a newer lanefleet: {len(ahead)} migration(s) this one does not"
-            f" have ({ahead[0]}…)")
+def refuse_newer(ahead: Sequence[str]) -> None:
+    """Raise unless ``ahead`` (what :func:`newer` found) is empty or FLEET_ALLOW_NEWER_SCHEMA=1: a
+    newer lanefleet's functions may no longer be the ones this code calls."""
+    if ahead and os.environ.get("FLEET_ALLOW_NEWER_SCHEMA") != "1":
+        raise MigrationError(
+            f"the database was migrated by a newer lanefleet: {len(ahead)} migration(s) this one does not"
+            f" have ({ahead[0]}…)",
+            "upgrade lanefleet on this host (git pull && uv sync); FLEET_ALLOW_NEWER_SCHEMA=1 runs it anyway",
+        )
 
 
 def unknown_of(applied: Sequence[str], migrations: Sequence[Migration]) -> list[str]:

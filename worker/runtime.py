@@ -5,7 +5,6 @@ No DATABASE_URL and no ``[database] url``: the embedded Postgres under ``[fleet]
 
 from __future__ import annotations
 
-import os
 from functools import cached_property
 from pathlib import Path
 from typing import cast
@@ -14,7 +13,7 @@ import psycopg
 
 from worker.config import FleetConfig, load_config
 from worker.errors import DatabaseUnavailable, MigrationError
-from worker.migrate import NEWER_SCHEMA_HINT, newer, newer_schema_message, pending
+from worker.migrate import newer, pending, refuse_newer
 from worker.store import PostgresStore, sync_config
 
 
@@ -73,8 +72,7 @@ class Runtime:
                 f"the database lacks {len(missing)} migration(s) ({missing[0].path.name}…)",
                 "run `fleet migrate`",
             )
-        if ahead and os.environ.get("FLEET_ALLOW_NEWER_SCHEMA") != "1":
-            raise MigrationError(newer_schema_message(ahead), NEWER_SCHEMA_HINT)
+        refuse_newer(ahead)
 
     def sync_lanes(self) -> dict[str, str]:
         store = self.store()

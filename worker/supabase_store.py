@@ -370,12 +370,7 @@ class SupabaseStore(NamedReads):
     def check_schema(self) -> None:
         """Refuse to work on a database that lacks migrations this code needs, or that a newer
         lanefleet migrated (FLEET_ALLOW_NEWER_SCHEMA=1 allows the latter)."""
-        from worker.migrate import (
-            NEWER_SCHEMA_HINT,
-            load_migrations,
-            newer_schema_message,
-            unknown_of,
-        )
+        from worker.migrate import load_migrations, refuse_newer, unknown_of
 
         try:
             applied = set(self._rpc("schema_versions", {}) or [])
@@ -390,9 +385,7 @@ class SupabaseStore(NamedReads):
         if missing:
             raise MigrationError(f"the database lacks {len(missing)} migration(s) ({missing[0].path.name}…)",
                                  "run `fleet migrate` with the project's connection string")
-        ahead = unknown_of(self._rpc("schema_migration_names", {}) or [], ours)
-        if ahead and os.environ.get("FLEET_ALLOW_NEWER_SCHEMA") != "1":
-            raise MigrationError(newer_schema_message(ahead), NEWER_SCHEMA_HINT)
+        refuse_newer(unknown_of(self._rpc("schema_migration_names", {}) or [], ours))
 
     def query(self, name: str, **params: Any) -> list[dict[str, Any]]:
         """The named queries of queries.sql, each as its REST equivalent (same rows)."""
