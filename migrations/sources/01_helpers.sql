@@ -1,0 +1,192 @@
+-- Private helpers every group uses: errors, the journal, lane and session lookups, lease fencing.
+--
+-- The one hand-edited definition of each function and view below. A change here needs a
+-- migration made from it: `uv run python -m worker.dev.sqlsources new <name>` (see README).
+
+create or replace function fleet._raise(p_code text, p_message text, p_hint text default null)
+returns void
+language plpgsql
+as $$
+begin
+    raise exception using errcode = p_code, message = p_message, hint = coalesce(p_hint, '');
+end
+$$;
+revoke all on function fleet._raise(text,text,text) from public;
+grant execute on function fleet._raise(text,text,text) to service_role;
+
+create or replace function fleet._event(p_kind text, p_lane text, p_task bigint, p_session uuid,
+                                        p_detail jsonb default '{}')
+returns void
+language plpgsql
+as $$
+begin
+    insert into fleet.events (kind, lane, task_id, session_id, detail)
+    values (p_kind, p_lane, p_task, p_session, coalesce(p_detail, '{}'));
+end
+$$;
+revoke all on function fleet._event(text,text,bigint,uuid,jsonb) from public;
+grant execute on function fleet._event(text,text,bigint,uuid,jsonb) to service_role;
+
+-- The lane row, or LF002 naming the lanes that do exist.
+create or replace function fleet._lane(p_lane text)
+returns fleet.lanes
+language plpgsql
+as $$
+declare
+    l fleet.lanes;
+begin
+    select * into l from fleet.lanes where name = p_lane;
+    if not found then
+        perform fleet._raise('LF002', format('unknown lane %L', p_lane),
+            'known lanes: ' || coalesce((select string_agg(name, ', ' order by name) from fleet.lanes), 'none')
+            || '; run `fleet lanes sync` after adding it to fleet.toml');
+    end if;
+    return l;
+end
+$$;
+revoke all on function fleet._lane(text) from public;
+grant execute on function fleet._lane(text) to service_role;
+
+-- LF008 unless the caller may work lane p_lane. Called before a function writes anything.
+create or replace function fleet._require_lane(p_lane text)
+returns void
+language plpgsql
+as $$
+begin
+    if fleet._lane_allowed(p_lane) then
+        return;
+    end if;
+    if p_lane is null then
+        perform fleet._raise('LF008', 'this call works on every lane and this key is limited to some lanes',
+            'use an operator key without fleet_lanes, or the service_role key');
+    end if;
+    perform fleet._raise('LF008', format('lane %L is not allowed for this key', left(p_lane, 100)),
+        'the key''s fleet_lanes claim lists the lanes it may work; mint one with `fleet keys mint --lane`');
+end
+$$;
+revoke all on function fleet._require_lane(text) from public;
+grant execute on function fleet._require_lane(text) to service_role;
+
+-- The active session, locked, or LF006.
+create or replace function fleet._active_session(p_session uuid)
+returns fleet.sessions
+language plpgsql
+as $$
+declare
+    s fleet.sessions;
+begin
+    select * into s from fleet.sessions where id = p_session for no key update;
+    if not found then
+        perform fleet._raise('LF006', format('unknown session %s', p_session));
+    end if;
+    perform fleet._require_lane(s.lane);
+    if s.state <> 'active' then
+        perform fleet._raise('LF006',
+            format('session %s is %s (%s); its tasks were released', p_session, s.state,
+                   coalesce(s.end_reason, 'no reason given')));
+    end if;
+    return s;
+end
+$$;
+revoke all on function fleet._active_session(uuid) from public;
+grant execute on function fleet._active_session(uuid) to service_role;
+
+-- Lock a running task whose lease p_token holds, or raise: LF003 if there is no such task,
+-- LF001 ("lease lost") if the token does not hold it. The fence of every worker call.
+create or replace function fleet._fenced(p_task bigint, p_token uuid)
+returns fleet.tasks
+language plpgsql
+as $$
+declare
+    t fleet.tasks;
+begin
+    select * into t from fleet.tasks where id = p_task for no key update;
+    if not found then
+        perform fleet._raise('LF003', format('unknown task %s', p_task));
+    end if;
+    perform fleet._require_lane(t.lane);
+    if t.state <> 'running' or p_token is null or t.lease_token <> p_token then
+        perform fleet._raise('LF001',
+            format('lease lost: task %s is %s and this lease no longer holds it', p_task, t.state));
+    end if;
+    return t;
+end
+$$;
+revoke all on function fleet._fenced(bigint,uuid) from public;
+grant execute on function fleet._fenced(bigint,uuid) to service_role;
+
+-- Lock a task for an operator's transition, or raise: LF003 if there is no such task, LF008 if
+-- the caller's key may not work its lane. (What cancel, retry, resume and the reviews share.)
+create or replace function fleet._lock_task(p_task bigint)
+returns fleet.tasks
+language plpgsql
+as $$
+declare
+    t fleet.tasks;
+begin
+    select * into t from fleet.tasks where id = p_task for no key update;
+    if not found then
+        perform fleet._raise('LF003', format('unknown task %s', p_task));
+    end if;
+    perform fleet._require_lane(t.lane);
+    return t;
+end
+$$;
+revoke all on function fleet._lock_task(bigint) from public;
+grant execute on function fleet._lock_task(bigint) to service_role;
+
+create or replace function fleet._release(p_task bigint, p_reason text)
+returns text
+language plpgsql
+as $$
+declare
+    t fleet.tasks;
+    v_state text;
+begin
+    select * into t from fleet.tasks where id = p_task for no key update;
+    if not found or t.state <> 'running' then
+        return null;
+    end if;
+    v_state := case when t.failures + t.evaporations + 1 >= fleet._cap(t) then 'dead' else 'queued' end;
+    update fleet.tasks
+       set state = v_state,
+           evaporations = evaporations + 1,
+           run_at = now(),
+           dead_reason = case when v_state = 'dead' then 'attempt-cap' end,
+           finished_at = case when v_state = 'dead' then now() end,
+           updated_at = now(),
+           lease_token = null, lease_expires_at = null, session_id = null
+     where id = p_task;
+    perform fleet._end_run(t.lease_token, 'lost', 'released: ' || p_reason);
+    perform fleet._event('repaired', t.lane, p_task, t.session_id,
+        jsonb_build_object('reason', p_reason, 'state', v_state, 'attempt', t.attempts,
+                           'evaporations', t.evaporations + 1,
+                           'lease_expired_at', t.lease_expires_at));
+    return v_state;
+end
+$$;
+revoke all on function fleet._release(bigint,text) from public;
+grant execute on function fleet._release(bigint,text) to service_role;
+
+-- The attempt cap of a task: its own, or its lane's.
+create or replace function fleet._cap(t fleet.tasks)
+returns int
+language sql
+stable
+as $$
+    select coalesce(t.max_attempts, (select max_attempts from fleet.lanes where name = t.lane));
+$$;
+revoke all on function fleet._cap(fleet.tasks) from public;
+grant execute on function fleet._cap(fleet.tasks) to service_role;
+
+-- UTC hours: date_bin() from a UTC midnight (plain arithmetic, unlike a time-zone conversion)
+create or replace function fleet._utc_hour(p_ts timestamptz)
+returns timestamptz
+language sql
+immutable
+parallel safe
+as $$
+    select date_bin('1 hour', p_ts, timestamptz '2000-01-01 00:00:00+00');
+$$;
+revoke all on function fleet._utc_hour(timestamp with time zone) from public;
+grant execute on function fleet._utc_hour(timestamp with time zone) to service_role;

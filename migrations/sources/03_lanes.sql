@@ -1,0 +1,177 @@
+-- Lanes, pools and profiles as fleet.toml describes them (`fleet lanes sync`), and tier lookups.
+--
+-- The one hand-edited definition of each function and view below. A change here needs a
+-- migration made from it: `uv run python -m worker.dev.sqlsources new <name>` (see README).
+
+create or replace function fleet.sync_lane(p_name text, p_settings jsonb)
+returns text
+language plpgsql
+security definer set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    v_known text[] := array['max_running', 'lease_seconds', 'max_attempts', 'max_handoffs',
+        'session_timeout_seconds', 'backoff_base_seconds', 'backoff_max_seconds', 'accepts_from',
+        'paused', 'config'];
+    v_unknown text;
+    v_old fleet.lanes;
+    v_new fleet.lanes;
+begin
+    perform fleet._require_lane(p_name);
+    if p_name is null or p_name !~ '^[a-z0-9][a-z0-9_-]{0,62}$' then
+        perform fleet._raise('LF005', format('%L is not a lane name', p_name),
+            'lowercase letters, digits, - and _, 63 characters at most');
+    end if;
+    if p_settings is null or jsonb_typeof(p_settings) <> 'object' then
+        perform fleet._raise('LF005', 'lane settings must be a JSON object');
+    end if;
+    select k into v_unknown from jsonb_object_keys(p_settings) k where k <> all (v_known) limit 1;
+    if v_unknown is not null then
+        perform fleet._raise('LF005', format('unknown lane setting %L', v_unknown),
+            'known: ' || array_to_string(v_known, ', '));
+    end if;
+    -- after the claims of the lane in flight, before any that would read the old settings (see
+    -- fleet.claim: a claim holds this key shared until it commits)
+    perform pg_catalog.pg_advisory_xact_lock(736610438, pg_catalog.hashtext(p_name));
+    select * into v_old from fleet.lanes where name = p_name for no key update;
+
+    insert into fleet.lanes as l (name, max_running, lease_seconds, max_attempts, max_handoffs,
+                                  session_timeout_seconds, backoff_base_seconds, backoff_max_seconds,
+                                  accepts_from, paused, config)
+    values (p_name,
+            (p_settings ->> 'max_running')::int,
+            coalesce((p_settings ->> 'lease_seconds')::int, 60),
+            coalesce((p_settings ->> 'max_attempts')::int, 3),
+            coalesce((p_settings ->> 'max_handoffs')::int, 10),
+            (p_settings ->> 'session_timeout_seconds')::int,
+            coalesce((p_settings ->> 'backoff_base_seconds')::int, 10),
+            coalesce((p_settings ->> 'backoff_max_seconds')::int, 3600),
+            case when jsonb_typeof(p_settings -> 'accepts_from') = 'array'
+                 then array(select jsonb_array_elements_text(p_settings -> 'accepts_from')) end,
+            coalesce((p_settings ->> 'paused')::boolean, false),
+            coalesce(p_settings -> 'config', '{}'))
+    on conflict (name) do update
+       set max_running = excluded.max_running, lease_seconds = excluded.lease_seconds,
+           max_attempts = excluded.max_attempts, max_handoffs = excluded.max_handoffs,
+           session_timeout_seconds = excluded.session_timeout_seconds,
+           backoff_base_seconds = excluded.backoff_base_seconds,
+           backoff_max_seconds = excluded.backoff_max_seconds,
+           accepts_from = excluded.accepts_from, paused = excluded.paused, config = excluded.config,
+           updated_at = now()
+    returning * into v_new;
+
+    if v_old.name is null then
+        perform fleet._event('lane_created', p_name, null, null, p_settings);
+        return 'created';
+    end if;
+    if (v_old.max_running, v_old.lease_seconds, v_old.max_attempts, v_old.max_handoffs,
+        v_old.session_timeout_seconds, v_old.backoff_base_seconds, v_old.backoff_max_seconds,
+        v_old.accepts_from, v_old.paused, v_old.config)
+       is not distinct from
+       (v_new.max_running, v_new.lease_seconds, v_new.max_attempts, v_new.max_handoffs,
+        v_new.session_timeout_seconds, v_new.backoff_base_seconds, v_new.backoff_max_seconds,
+        v_new.accepts_from, v_new.paused, v_new.config) then
+        return 'unchanged';
+    end if;
+    perform fleet._event('lane_updated', p_name, null, null, p_settings);
+    return 'updated';
+end
+$$;
+revoke all on function fleet.sync_lane(text,jsonb) from public;
+grant execute on function fleet.sync_lane(text,jsonb) to service_role;
+
+create or replace function fleet.sync_pool(p_name text, p_slots int)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    v_old fleet.pools;
+begin
+    if p_name is null or p_name !~ '^[a-z0-9][a-z0-9_-]{0,62}$' then
+        perform fleet._raise('LF005', format('%L is not a pool name', p_name),
+            'lowercase letters, digits, - and _, 63 characters at most');
+    end if;
+    if p_slots is not null and p_slots < 0 then
+        perform fleet._raise('LF005', format('pool %s: slots must be 0 or more, not %s', p_name, p_slots));
+    end if;
+    select * into v_old from fleet.pools where name = p_name for no key update;
+    if not found then
+        insert into fleet.pools (name, slots) values (p_name, p_slots);
+        perform fleet._event('pool_created', null, null, null, jsonb_build_object('pool', p_name, 'slots', p_slots));
+        return 'created';
+    end if;
+    if v_old.slots is not distinct from p_slots then
+        return 'unchanged';
+    end if;
+    update fleet.pools set slots = p_slots, updated_at = now() where name = p_name;
+    perform fleet._event('pool_updated', null, null, null, jsonb_build_object('pool', p_name, 'slots', p_slots));
+    return 'updated';
+end
+$$;
+revoke all on function fleet.sync_pool(text,integer) from public;
+grant execute on function fleet.sync_pool(text,integer) to service_role;
+
+create or replace function fleet.sync_profile(p_name text, p_pool text, p_models jsonb)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    v_old fleet.profiles;
+begin
+    if p_name is null or p_name !~ '^[a-z0-9][a-z0-9_-]{0,62}$' then
+        perform fleet._raise('LF005', format('%L is not a profile name', p_name),
+            'lowercase letters, digits, - and _, 63 characters at most');
+    end if;
+    if p_models is null or jsonb_typeof(p_models) <> 'object' then
+        perform fleet._raise('LF005', format('profile %s: models must be a JSON object (tier -> model)', p_name));
+    end if;
+    if p_pool is not null and not exists (select 1 from fleet.pools where name = p_pool) then
+        perform fleet._raise('LF005', format('profile %s draws from unknown pool %L', p_name, p_pool),
+            'sync the pool first');
+    end if;
+    select * into v_old from fleet.profiles where name = p_name for no key update;
+    if not found then
+        insert into fleet.profiles (name, pool, models) values (p_name, p_pool, p_models);
+        perform fleet._event('profile_created', null, null, null,
+            jsonb_build_object('profile', p_name, 'pool', p_pool, 'models', p_models));
+        return 'created';
+    end if;
+    if (v_old.pool, v_old.models) is not distinct from (p_pool, p_models) then
+        return 'unchanged';
+    end if;
+    update fleet.profiles set pool = p_pool, models = p_models, updated_at = now() where name = p_name;
+    perform fleet._event('profile_updated', null, null, null,
+        jsonb_build_object('profile', p_name, 'pool', p_pool, 'models', p_models));
+    return 'updated';
+end
+$$;
+revoke all on function fleet.sync_profile(text,text,jsonb) from public;
+grant execute on function fleet.sync_profile(text,text,jsonb) to service_role;
+
+-- The lane's tiers, lowest first (empty: the lane has none).
+create or replace function fleet._tiers(l fleet.lanes)
+returns text[]
+language sql
+immutable
+as $$
+    select coalesce(array(select jsonb_array_elements_text(
+                              case when jsonb_typeof(l.config -> 'tiers') = 'array' then l.config -> 'tiers' end)),
+                    '{}');
+$$;
+revoke all on function fleet._tiers(fleet.lanes) from public;
+grant execute on function fleet._tiers(fleet.lanes) to service_role;
+
+-- The tier an attempt runs at: the task's, if the lane has it; else the lane's default tier.
+create or replace function fleet._tier_for(l fleet.lanes, p_tier text)
+returns text
+language sql
+immutable
+as $$
+    select case when p_tier = any (fleet._tiers(l)) then p_tier
+                else coalesce(l.config ->> 'default_tier', (fleet._tiers(l))[1]) end;
+$$;
+revoke all on function fleet._tier_for(fleet.lanes,text) from public;
+grant execute on function fleet._tier_for(fleet.lanes,text) to service_role;

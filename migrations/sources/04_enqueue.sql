@@ -1,0 +1,423 @@
+-- Queueing tasks: one, after a delay, or many in one statement.
+--
+-- The one hand-edited definition of each function and view below. A change here needs a
+-- migration made from it: `uv run python -m worker.dev.sqlsources new <name>` (see README).
+
+create or replace function fleet.enqueue_task(
+    p_lane text, p_key text, p_payload jsonb default '{}', p_priority int default 0,
+    p_run_at timestamptz default now(), p_max_attempts int default null, p_title text default null,
+    p_tier text default null, p_profile text default null, p_max_cost_usd numeric default null,
+    p_max_tokens bigint default null)
+returns table (task_id bigint, created boolean)
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+#variable_conflict use_column
+declare
+    v_id bigint;
+    v_lane text;
+    l fleet.lanes;
+begin
+    perform fleet._require_lane(p_lane);
+    if p_key is null or length(p_key) = 0 or length(p_key) > 200 then
+        perform fleet._raise('LF005', 'task key must be 1 to 200 characters');
+    end if;
+    l := fleet._lane(p_lane);
+    if p_payload is not null and jsonb_typeof(p_payload) <> 'object' then
+        perform fleet._raise('LF005',
+            format('payload must be a JSON object, not a JSON %s', jsonb_typeof(p_payload)));
+    end if;
+    if p_priority is null or p_priority not between 0 and 1000 then
+        perform fleet._raise('LF005', format('priority must be between 0 and 1000, not %s', p_priority),
+            'higher runs first; the default is 0');
+    end if;
+    if p_max_attempts is not null and p_max_attempts < 1 then
+        perform fleet._raise('LF005', format('max_attempts must be at least 1, not %s', p_max_attempts));
+    end if;
+    if p_tier is not null and not (p_tier = any (fleet._tiers(l))) then
+        perform fleet._raise('LF005', format('lane %s has no tier %L', p_lane, p_tier),
+            case when cardinality(fleet._tiers(l)) = 0 then 'the lane names no tiers'
+                 else 'its tiers, lowest first: ' || array_to_string(fleet._tiers(l), ', ') end);
+    end if;
+    if (p_max_cost_usd is not null and p_max_cost_usd <= 0) or (p_max_tokens is not null and p_max_tokens <= 0) then
+        perform fleet._raise('LF005', 'a task budget must be positive',
+            format('--max-cost %s, --max-tokens %s', p_max_cost_usd, p_max_tokens));
+    end if;
+    if p_profile is not null and not exists (select 1 from fleet.profiles where name = p_profile) then
+        perform fleet._raise('LF005', format('unknown profile %L', p_profile),
+            'known profiles: ' || coalesce((select string_agg(name, ', ' order by name) from fleet.profiles), 'none')
+            || '; profiles come from fleet.toml by `fleet lanes sync`');
+    end if;
+
+    insert into fleet.tasks (lane, key, title, payload, priority, run_at, max_attempts, tier, profile,
+                             max_cost_usd, max_tokens)
+    values (p_lane, p_key, p_title, coalesce(p_payload, '{}'), p_priority, coalesce(p_run_at, now()),
+            p_max_attempts, fleet._tier_for(l, p_tier), p_profile, p_max_cost_usd, p_max_tokens)
+    on conflict (key) do nothing
+    returning id into v_id;
+
+    if v_id is null then
+        select t.id, t.lane into v_id, v_lane from fleet.tasks t where t.key = p_key;
+        perform fleet._require_lane(v_lane);  -- the key's task may be in a lane this caller may not see
+        return query select v_id, false;
+        return;
+    end if;
+    perform fleet._event('enqueued', p_lane, v_id, null,
+        jsonb_strip_nulls(jsonb_build_object('key', p_key, 'priority', p_priority,
+            'run_at', coalesce(p_run_at, now()), 'tier', fleet._tier_for(l, p_tier), 'profile', p_profile)));
+    return query select v_id, true;
+end
+$$;
+comment on function fleet.enqueue_task is
+    'enqueue, also saying whether the key was new (created) or already existed';
+revoke all on function fleet.enqueue_task(text,text,jsonb,integer,timestamp with time zone,integer,text,text,text,numeric,bigint) from public;
+grant execute on function fleet.enqueue_task(text,text,jsonb,integer,timestamp with time zone,integer,text,text,text,numeric,bigint) to fleet_operator, fleet_worker, service_role;
+
+create or replace function fleet.enqueue(
+    p_lane text, p_key text, p_payload jsonb default '{}', p_priority int default 0,
+    p_run_at timestamptz default now(), p_max_attempts int default null, p_title text default null)
+returns bigint
+language sql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+    select task_id from fleet.enqueue_task(p_lane, p_key, p_payload, p_priority, p_run_at,
+                                           p_max_attempts, p_title);
+$$;
+comment on function fleet.enqueue is
+    'queue a task; idempotent on key: the same key returns the existing id';
+revoke all on function fleet.enqueue(text,text,jsonb,integer,timestamp with time zone,integer,text) from public;
+grant execute on function fleet.enqueue(text,text,jsonb,integer,timestamp with time zone,integer,text) to fleet_operator, fleet_worker, service_role;
+
+create or replace function fleet.enqueue_after(
+    p_delay_seconds double precision, p_lane text, p_key text, p_payload jsonb default '{}',
+    p_priority int default 0, p_max_attempts int default null, p_title text default null,
+    p_tier text default null, p_profile text default null, p_max_cost_usd numeric default null,
+    p_max_tokens bigint default null)
+returns table (task_id bigint, created boolean)
+language sql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+    select e.task_id, e.created
+      from fleet.enqueue_task(p_lane, p_key, p_payload, p_priority,
+                              now() + make_interval(secs => coalesce(p_delay_seconds, 0)),
+                              p_max_attempts, p_title, p_tier, p_profile, p_max_cost_usd, p_max_tokens) e;
+$$;
+revoke all on function fleet.enqueue_after(double precision,text,text,jsonb,integer,integer,text,text,text,numeric,bigint) from public;
+grant execute on function fleet.enqueue_after(double precision,text,text,jsonb,integer,integer,text,text,text,numeric,bigint) to fleet_operator, fleet_worker, service_role;
+
+create or replace function fleet.enqueue_many(p_lane text, p_tasks jsonb)
+returns table (idx int, id bigint, key text, created boolean)
+language plpgsql
+security definer set search_path = pg_catalog, fleet, pg_temp
+as $$
+#variable_conflict use_column
+declare
+    v_fields constant text[] := array['key', 'lane', 'payload', 'title', 'priority', 'run_at',
+                                      'delay_seconds', 'max_attempts', 'tier', 'profile',
+                                      'max_cost_usd', 'max_tokens'];
+    v_allowed text[] := fleet._allowed_lanes();  -- NULL: every lane
+    v_bad record;
+    v_where text;
+    v_seq regclass := pg_catalog.pg_get_serial_sequence('fleet.tasks', 'id')::regclass;
+    v_idx int[];
+    v_lane text[];
+    v_key text[];
+    v_title text[];
+    v_payload jsonb[];
+    v_priority int[];
+    v_run_at timestamptz[];
+    v_max int[];
+    v_tier text[];
+    v_profile text[];
+    v_max_cost numeric[];
+    v_max_tokens bigint[];
+    v_extra boolean;
+    v_new_ids bigint[];
+    v_new_keys text[];
+begin
+    if p_tasks is null or jsonb_typeof(p_tasks) <> 'array' then
+        perform fleet._raise('LF005',
+            format('enqueue_many takes a JSON array of task objects, not %s',
+                   coalesce('a JSON ' || jsonb_typeof(p_tasks), 'NULL')));
+    end if;
+    if jsonb_array_length(p_tasks) = 0 then
+        return;
+    end if;
+
+    -- does any task name a tier, a profile or a budget?
+    v_extra := jsonb_path_exists(p_tasks, '$[*] ? (exists(@.tier) || exists(@.profile) || exists(@.max_cost_usd)'
+                                          ' || exists(@.max_tokens))');
+
+    -- 1. the first element that enqueue_task would refuse, and why (each check guarded, so a
+    --    malformed element never makes a later check raise a less helpful error)
+    select b.* into v_bad
+      from (
+        select e.idx, e.key, e.lane, e.field, e.detail,
+               case
+                   when jsonb_typeof(e.t) <> 'object' then 'not_object'
+                   when e.field is not null then 'unknown_field'
+                   when jsonb_typeof(e.t -> 'key') is distinct from 'string' then 'key_type'
+                   when coalesce(jsonb_typeof(e.t -> 'lane'), 'null') not in ('string', 'null') then 'lane_type'
+                   when e.lane is null then 'no_lane'
+                   when not (v_allowed is null or e.lane = any (v_allowed)) then 'lane_forbidden'
+                   when length(e.key) not between 1 and 200 then 'key_length'
+                   when not exists (select 1 from fleet.lanes l where l.name = e.lane) then 'lane_unknown'
+                   when coalesce(jsonb_typeof(e.t -> 'payload'), 'null') not in ('object', 'null') then 'payload'
+                   when coalesce(jsonb_typeof(e.t -> 'title'), 'null') not in ('string', 'null') then 'title'
+                   when coalesce(jsonb_typeof(e.t -> 'priority'), 'null') not in ('number', 'null') then 'priority_type'
+                   when jsonb_typeof(e.t -> 'priority') = 'number'
+                        and ((e.t ->> 'priority')::numeric not between 0 and 1000
+                             or (e.t ->> 'priority')::numeric % 1 <> 0) then 'priority'
+                   when coalesce(jsonb_typeof(e.t -> 'run_at'), 'null') not in ('string', 'null') then 'run_at_type'
+                   when coalesce(jsonb_typeof(e.t -> 'delay_seconds'), 'null') not in ('number', 'null')
+                        then 'delay_type'
+                   when jsonb_typeof(e.t -> 'run_at') = 'string' and jsonb_typeof(e.t -> 'delay_seconds') = 'number'
+                        then 'run_at_and_delay'
+                   when coalesce(jsonb_typeof(e.t -> 'max_attempts'), 'null') not in ('number', 'null')
+                        then 'max_attempts_type'
+                   when jsonb_typeof(e.t -> 'max_attempts') = 'number'
+                        and ((e.t ->> 'max_attempts')::numeric not between 1 and 2147483647
+                             or (e.t ->> 'max_attempts')::numeric % 1 <> 0) then 'max_attempts'
+                   -- (most batches name none of the four fields below: then they are skipped)
+                   when not v_extra then null
+                   when coalesce(jsonb_typeof(e.t -> 'tier'), 'null') not in ('string', 'null') then 'tier_type'
+                   when jsonb_typeof(e.t -> 'tier') = 'string'
+                        and not ((e.t ->> 'tier') = any (fleet._tiers((select l from fleet.lanes l where l.name = e.lane))))
+                        then 'tier'
+                   when coalesce(jsonb_typeof(e.t -> 'profile'), 'null') not in ('string', 'null') then 'profile_type'
+                   when jsonb_typeof(e.t -> 'profile') = 'string'
+                        and not exists (select 1 from fleet.profiles pf where pf.name = e.t ->> 'profile') then 'profile'
+                   when coalesce(jsonb_typeof(e.t -> 'max_cost_usd'), 'null') not in ('number', 'null')
+                        then 'max_cost_type'
+                   -- (as the column stores it, to the microdollar)
+                   when round((e.t ->> 'max_cost_usd')::numeric, 6) <= 0
+                        or round((e.t ->> 'max_cost_usd')::numeric, 6) >= 1e8
+                        then 'max_cost'
+                   when coalesce(jsonb_typeof(e.t -> 'max_tokens'), 'null') not in ('number', 'null')
+                        then 'max_tokens_type'
+                   when jsonb_typeof(e.t -> 'max_tokens') = 'number'
+                        and ((e.t ->> 'max_tokens')::numeric not between 1 and 9223372036854775807
+                             or (e.t ->> 'max_tokens')::numeric % 1 <> 0) then 'max_tokens'
+               end as problem
+          from (
+            select (x.ord - 1)::int as idx, x.t,
+                   case when jsonb_typeof(x.t -> 'key') = 'string' then x.t ->> 'key' end as key,
+                   coalesce(case when jsonb_typeof(x.t -> 'lane') = 'string' then x.t ->> 'lane' end,
+                            p_lane) as lane,
+                   case when jsonb_typeof(x.t) = 'object'
+                        then (select k from jsonb_object_keys(x.t) k where k <> all (v_fields) order by k limit 1)
+                   end as field,
+                   case when jsonb_typeof(x.t) = 'object' then x.t else null end as detail
+              from jsonb_array_elements(p_tasks) with ordinality x(t, ord)
+          ) e
+      ) b
+     where b.problem is not null
+     order by b.idx
+     limit 1;
+
+    if found then
+        v_where := format('p_tasks[%s]', v_bad.idx)
+                   || case when v_bad.key is not null then format(' (key %L)', left(v_bad.key, 100)) else '' end
+                   || ': ';
+        case v_bad.problem
+        when 'not_object' then
+            perform fleet._raise('LF005', v_where || format('a task must be a JSON object, not a JSON %s',
+                jsonb_typeof(p_tasks -> v_bad.idx)));
+        when 'unknown_field' then
+            perform fleet._raise('LF005', v_where || format('unknown field %L', left(v_bad.field, 100)),
+                'known: ' || array_to_string(v_fields, ', '));
+        when 'key_type' then
+            perform fleet._raise('LF005', v_where || 'a task needs a key, a string of 1 to 200 characters');
+        when 'lane_type' then
+            perform fleet._raise('LF005', v_where || format('lane must be a string, not a JSON %s',
+                jsonb_typeof(v_bad.detail -> 'lane')));
+        when 'no_lane' then
+            perform fleet._raise('LF005', v_where || 'no lane: give p_lane, or a string "lane" in the task');
+        when 'lane_forbidden' then
+            perform fleet._raise('LF008', v_where || format('lane %L is not allowed for this key',
+                left(v_bad.lane, 100)),
+                'the key''s fleet_lanes claim lists the lanes it may work; mint one with `fleet keys mint --lane`');
+        when 'key_length' then
+            perform fleet._raise('LF005', v_where || 'task key must be 1 to 200 characters');
+        when 'lane_unknown' then
+            perform fleet._raise('LF002', v_where || format('unknown lane %L', left(v_bad.lane, 100)),
+                'known lanes: ' || coalesce((select string_agg(name, ', ' order by name) from fleet.lanes), 'none')
+                || '; run `fleet lanes sync` after adding it to fleet.toml');
+        when 'payload' then
+            perform fleet._raise('LF005', v_where || format('payload must be a JSON object, not a JSON %s',
+                jsonb_typeof(v_bad.detail -> 'payload')));
+        when 'title' then
+            perform fleet._raise('LF005', v_where || format('title must be a string, not a JSON %s',
+                jsonb_typeof(v_bad.detail -> 'title')));
+        when 'priority_type' then
+            perform fleet._raise('LF005', v_where || format('priority must be an integer between 0 and 1000, not a JSON %s',
+                jsonb_typeof(v_bad.detail -> 'priority')), 'higher runs first; the default is 0');
+        when 'priority' then
+            perform fleet._raise('LF005', v_where || format('priority must be an integer between 0 and 1000, not %s',
+                left(v_bad.detail ->> 'priority', 40)), 'higher runs first; the default is 0');
+        when 'run_at_type' then
+            perform fleet._raise('LF005', v_where || format('run_at must be a timestamp string, not a JSON %s',
+                jsonb_typeof(v_bad.detail -> 'run_at')));
+        when 'delay_type' then
+            perform fleet._raise('LF005', v_where || format('delay_seconds must be a number, not a JSON %s',
+                jsonb_typeof(v_bad.detail -> 'delay_seconds')));
+        when 'run_at_and_delay' then
+            perform fleet._raise('LF005', v_where || 'give run_at or delay_seconds, not both');
+        when 'max_attempts_type' then
+            perform fleet._raise('LF005', v_where || format('max_attempts must be an integer of at least 1, not a JSON %s',
+                jsonb_typeof(v_bad.detail -> 'max_attempts')));
+        when 'max_attempts' then
+            perform fleet._raise('LF005', v_where || format('max_attempts must be an integer of at least 1, not %s',
+                left(v_bad.detail ->> 'max_attempts', 40)));
+        when 'tier_type' then
+            perform fleet._raise('LF005', v_where || format('tier must be a string, not a JSON %s',
+                jsonb_typeof(v_bad.detail -> 'tier')));
+        when 'tier' then
+            perform fleet._raise('LF005', v_where || format('lane %s has no tier %L', v_bad.lane,
+                left(v_bad.detail ->> 'tier', 100)),
+                (select case when cardinality(fleet._tiers(l)) = 0 then 'the lane names no tiers'
+                             else 'its tiers, lowest first: ' || array_to_string(fleet._tiers(l), ', ') end
+                   from fleet.lanes l where l.name = v_bad.lane));
+        when 'profile_type' then
+            perform fleet._raise('LF005', v_where || format('profile must be a string, not a JSON %s',
+                jsonb_typeof(v_bad.detail -> 'profile')));
+        when 'profile' then
+            perform fleet._raise('LF005', v_where || format('unknown profile %L', left(v_bad.detail ->> 'profile', 100)),
+                'known profiles: ' || coalesce((select string_agg(name, ', ' order by name) from fleet.profiles), 'none')
+                || '; profiles come from fleet.toml by `fleet lanes sync`');
+        when 'max_cost_type' then
+            perform fleet._raise('LF005', v_where || format('max_cost_usd must be a number, not a JSON %s',
+                jsonb_typeof(v_bad.detail -> 'max_cost_usd')));
+        when 'max_cost' then
+            perform fleet._raise('LF005', v_where || format('max_cost_usd must be at least 0.000001 and below 100,000,000, not %s',
+                left(v_bad.detail ->> 'max_cost_usd', 40)), 'a task budget must be positive');
+        when 'max_tokens_type' then
+            perform fleet._raise('LF005', v_where || format('max_tokens must be an integer, not a JSON %s',
+                jsonb_typeof(v_bad.detail -> 'max_tokens')));
+        else  -- 'max_tokens'
+            perform fleet._raise('LF005', v_where || format('max_tokens must be an integer of at least 1, not %s',
+                left(v_bad.detail ->> 'max_tokens', 40)), 'a task budget must be positive');
+        end case;
+    end if;
+
+    -- 2. the typed values. Only a timestamp can still be malformed ('2030-13-45', a delay past
+    --    the calendar): then find which element, and say so. (PostgreSQL's own words such as
+    --    'tomorrow' or 'infinity' are timestamps, as enqueue_task takes them.)
+    begin
+        select array_agg((x.ord - 1)::int order by x.ord),
+               array_agg(coalesce(case when jsonb_typeof(x.t -> 'lane') = 'string' then x.t ->> 'lane' end, p_lane)
+                         order by x.ord),
+               array_agg(x.t ->> 'key' order by x.ord),
+               array_agg(x.t ->> 'title' order by x.ord),
+               array_agg(case when jsonb_typeof(x.t -> 'payload') = 'object' then x.t -> 'payload' else '{}' end
+                         order by x.ord),
+               array_agg(coalesce((x.t ->> 'priority')::numeric::int, 0) order by x.ord),
+               array_agg(coalesce((x.t ->> 'run_at')::timestamptz,
+                                  now() + make_interval(secs => coalesce((x.t ->> 'delay_seconds')::double precision, 0)))
+                         order by x.ord),
+               array_agg((x.t ->> 'max_attempts')::numeric::int order by x.ord)
+          into v_idx, v_lane, v_key, v_title, v_payload, v_priority, v_run_at, v_max
+          from jsonb_array_elements(p_tasks) with ordinality x(t, ord);
+    exception when data_exception then
+        for v_bad in select (x.ord - 1)::int as idx, x.t from jsonb_array_elements(p_tasks) with ordinality x(t, ord)
+                      order by x.ord
+        loop
+            begin
+                perform coalesce((v_bad.t ->> 'run_at')::timestamptz,
+                                 now() + make_interval(secs => coalesce((v_bad.t ->> 'delay_seconds')::double precision, 0)));
+            exception when data_exception then
+                perform fleet._raise('LF005', format('p_tasks[%s] (key %L): ', v_bad.idx, left(v_bad.t ->> 'key', 100))
+                    || case when v_bad.t ? 'run_at' and jsonb_typeof(v_bad.t -> 'run_at') = 'string'
+                            then format('run_at %L is not a timestamp: %s', left(v_bad.t ->> 'run_at', 100), sqlerrm)
+                            else format('delay_seconds %s is out of range: %s', left(v_bad.t ->> 'delay_seconds', 40), sqlerrm) end,
+                    'run_at: an ISO 8601 time with a zone, e.g. 2030-01-02T03:04:05Z; delay_seconds: seconds from now');
+            end;
+        end loop;
+        raise;  -- not a timestamp after all: the original error
+    end;
+    -- the tier, profile and budget of each task, when any task names one (NULL arrays otherwise:
+    -- unnest pads them with NULLs below)
+    if v_extra then
+        select array_agg(x.t ->> 'tier' order by x.ord),
+               array_agg(x.t ->> 'profile' order by x.ord),
+               array_agg((x.t ->> 'max_cost_usd')::numeric order by x.ord),
+               array_agg((x.t ->> 'max_tokens')::numeric::bigint order by x.ord)
+          into v_tier, v_profile, v_max_cost, v_max_tokens
+          from jsonb_array_elements(p_tasks) with ordinality x(t, ord);
+    end if;
+
+    -- 3. insert the new keys (the first element of a key given twice)
+    with item as (
+        select u.* from unnest(v_idx, v_lane, v_key, v_title, v_payload, v_priority, v_run_at, v_max,
+                               v_tier, v_profile, v_max_cost, v_max_tokens)
+                        as u(idx, lane, key, title, payload, priority, run_at, max_attempts,
+                             tier, profile, max_cost_usd, max_tokens)
+    ), firsts as (
+        select distinct on (i.key) i.* from item i order by i.key, i.idx
+    ), numbered as materialized (
+        -- ids drawn in input order (the subquery's ORDER BY is the order nextval runs in)
+        select f.*, nextval(v_seq) as new_id from (select * from firsts order by firsts.idx) f
+    ), ins as (
+        insert into fleet.tasks as t (id, lane, key, title, payload, priority, run_at, max_attempts,
+                                      tier, profile, max_cost_usd, max_tokens)
+        overriding system value
+        select n.new_id, n.lane, n.key, n.title, n.payload, n.priority, n.run_at, n.max_attempts,
+               n.tier, n.profile, n.max_cost_usd, n.max_tokens
+          from numbered n
+         order by n.key  -- the lock order on the key index: see the comment above the function
+        on conflict (key) do nothing
+        returning t.id, t.key
+    )
+    select coalesce(array_agg(ins.id), '{}'), coalesce(array_agg(ins.key), '{}') into v_new_ids, v_new_keys from ins;
+
+    -- 4. the keys that existed: in a statement of its own, whose snapshot sees a batch that
+    --    committed the same key while the insert waited for it (as enqueue_task does). A key whose
+    --    task is in a lane this caller may not work is refused as enqueue_task refuses it.
+    select e.idx, e.key, t.lane into v_bad
+      from unnest(v_idx, v_key) as e(idx, key)
+      join fleet.tasks t on t.key = e.key
+      left join unnest(v_new_keys) as n(key) on n.key = e.key
+     where n.key is null
+       and not (v_allowed is null or t.lane = any (v_allowed))
+     order by e.idx
+     limit 1;
+    if found then
+        perform fleet._raise('LF008', format('p_tasks[%s] (key %L): lane %L is not allowed for this key',
+            v_bad.idx, left(v_bad.key, 100), v_bad.lane),
+            'the key''s fleet_lanes claim lists the lanes it may work; mint one with `fleet keys mint --lane`');
+    end if;
+
+    -- 5. one journal row per new task, in input order
+    insert into fleet.events (kind, lane, task_id, session_id, detail)
+    select 'enqueued', i.lane, n.id, null,
+           case when v_extra
+                then jsonb_strip_nulls(jsonb_build_object('key', i.key, 'priority', i.priority, 'run_at', i.run_at,
+                                                          'tier', i.tier, 'profile', i.profile))
+                else jsonb_build_object('key', i.key, 'priority', i.priority, 'run_at', i.run_at) end
+      from unnest(v_new_ids, v_new_keys) as n(id, key)
+      join (select distinct on (u.key) u.*
+              from unnest(v_idx, v_lane, v_key, v_priority, v_run_at, v_tier, v_profile)
+                   as u(idx, lane, key, priority, run_at, tier, profile)
+             order by u.key, u.idx) i on i.key = n.key
+     order by i.idx;
+
+    -- 6. every element: its task, and whether this call created it (only the first element of a new key)
+    return query
+    select i.idx, coalesce(n.id, t.id), i.key, n.id is not null and i.idx = f.idx
+      from unnest(v_idx, v_key) as i(idx, key)
+      join (select j.key, min(j.idx) as idx from unnest(v_idx, v_key) as j(idx, key) group by j.key) f
+        on f.key = i.key
+      left join unnest(v_new_ids, v_new_keys) as n(id, key) on n.key = i.key
+      left join fleet.tasks t on n.id is null and t.key = i.key
+     order by i.idx;
+end
+$$;
+comment on function fleet.enqueue_many is
+    'enqueue_task for many tasks at once, all or nothing: (idx, id, key, created) per element, in input '
+    'order. An element: key, and optionally lane, payload, title, priority, run_at or delay_seconds, '
+    'max_attempts, tier, profile, max_cost_usd, max_tokens.';
+revoke all on function fleet.enqueue_many(text,jsonb) from public;
+grant execute on function fleet.enqueue_many(text,jsonb) to fleet_operator, fleet_worker, service_role;

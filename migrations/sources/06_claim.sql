@@ -1,0 +1,210 @@
+-- The claim: ready tasks of a session's lane under a lease, within every limit.
+--
+-- The one hand-edited definition of each function and view below. A change here needs a
+-- migration made from it: `uv run python -m worker.dev.sqlsources new <name>` (see README).
+
+create or replace function fleet.claim(p_session uuid, p_limit int default 1)
+returns setof fleet.tasks
+language plpgsql
+security definer set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    s fleet.sessions;
+    l fleet.lanes;
+    v_free int;
+    v_avail jsonb := '{}';
+    v_lane_cands jsonb;
+    v_cands jsonb;
+    v_choice jsonb;
+    v_idx int;
+    v_pool text;
+    v_t fleet.tasks;
+    v_c fleet.tasks;
+    p record;
+begin
+    if p_limit is null or p_limit < 0 then
+        perform fleet._raise('LF005', format('claim limit must be 0 or more, not %s', p_limit));
+    end if;
+    s := fleet._active_session(p_session);
+    update fleet.sessions set heartbeat_at = now() where id = s.id;
+    -- The lane's settings do not change under a claim: fleet.sync_lane takes this key exclusively
+    -- before it writes the lane, so it waits for the claims in flight, and the claims after it
+    -- read what it wrote. Claims take it shared: they never wait for each other here.
+    perform pg_catalog.pg_advisory_xact_lock_shared(736610438, pg_catalog.hashtext(s.lane));
+    select * into l from fleet.lanes where name = s.lane;
+    -- Serialise the claims of a lane with a limit counted across claims (max_running, review_cap,
+    -- a daily budget): the counts below must not change under us, or two claimers could each take
+    -- the last free slot. NO KEY UPDATE leaves enqueue's FK lock free. A lane without such a limit
+    -- takes no lane lock, so its claims run side by side: FOR UPDATE SKIP LOCKED keeps them off
+    -- each other's tasks, and pools count their slots under the pools' own locks (below).
+    if l.max_running is not null or (l.config ->> 'review_cap') is not null
+       or (l.config ->> 'daily_budget_usd') is not null or (l.config ->> 'daily_budget_tokens') is not null then
+        select * into l from fleet.lanes where name = s.lane for no key update;
+    end if;
+    if l.paused or p_limit = 0 or now() >= s.deadline then
+        return;
+    end if;
+    v_free := p_limit;
+    if l.max_running is not null then
+        v_free := least(p_limit,
+            l.max_running - (select count(*) from fleet.tasks where lane = s.lane and state = 'running'));
+    end if;
+    if v_free <= 0 then
+        return;
+    end if;
+    -- review debt: no claims while the lane's tasks waiting in review reach its review_cap
+    if (l.config ->> 'review_cap') is not null
+       and (select count(*) from fleet.tasks x where x.lane = s.lane and x.state = 'review')
+           >= (l.config ->> 'review_cap')::int then
+        return;
+    end if;
+    -- a lane over its daily budget claims nothing until the next UTC day
+    if (l.config ->> 'daily_budget_usd') is not null or (l.config ->> 'daily_budget_tokens') is not null then
+        if exists (select 1 from fleet._lane_spend_today(s.lane) sp
+                    where sp.cost_usd >= (l.config ->> 'daily_budget_usd')::numeric
+                       or sp.tokens >= (l.config ->> 'daily_budget_tokens')::numeric) then
+            return;
+        end if;
+    end if;
+
+    if not exists (select 1 from fleet.pools) then
+        return query
+        with ready as (
+            -- the next ready tasks of the lane, skipping rows another transaction holds
+            -- (not a task this session handed off itself: a hand-off is for the next shift)
+            select t.id, t.priority, t.resume, t.run_at
+              from fleet.tasks t
+             where t.lane = s.lane and t.state = 'queued' and t.run_at <= now()
+               and not (t.resume and exists (select 1 from fleet.runs r
+                                              where r.task_id = t.id and r.session_id = s.id
+                                                and r.outcome = 'handed_off'))
+             order by t.priority desc, t.resume desc, t.run_at, t.id
+             limit v_free
+               for update skip locked
+        ), claimed as (
+            -- lease them to the session
+            update fleet.tasks t
+               set state = 'running',
+                   attempts = t.attempts + 1,
+                   lease_token = gen_random_uuid(),
+                   lease_expires_at = now() + make_interval(secs => l.lease_seconds),
+                   session_id = s.id,
+                   resume = false,
+                   last_progress_at = now(),
+                   tier = fleet._tier_for(l, t.tier),
+                   run_profile = coalesce(t.profile, l.config ->> 'profile'),
+                   pool = null,
+                   updated_at = now()
+              from ready
+             where t.id = ready.id
+            returning t.*
+        ), run_rows as (
+            -- one run row per dispatch
+            insert into fleet.runs (task_id, session_id, lane, attempt, lease_token, tier, profile)
+            select c.id, s.id, c.lane, c.attempts, c.lease_token, c.tier, c.run_profile from claimed c
+        ), journal as (
+            insert into fleet.events (kind, lane, task_id, session_id, detail)
+            select 'claimed', c.lane, c.id, s.id,
+                   jsonb_strip_nulls(jsonb_build_object('attempt', c.attempts, 'tier', c.tier,
+                                                        'profile', c.run_profile))
+              from claimed c
+        )
+        -- in the order they were picked (the claim clears resume, so order by ready's copy of it)
+        select c.* from claimed c join ready r on r.id = c.id
+         order by r.priority desc, r.resume desc, r.run_at, r.id;
+        return;
+    end if;
+
+    -- the free slots of every pool, counted under the pools' locks
+    for p in select pl.name, pl.slots, pl.throttled_until from fleet.pools pl order by pl.name for no key update
+    loop
+        v_avail := v_avail || jsonb_build_object(p.name,
+            case when p.throttled_until > now() then 0
+                 when p.slots is null then 2147483647
+                 else greatest(0, p.slots - (select count(*) from fleet.tasks x
+                                              where x.state = 'running' and x.pool = p.name)) end);
+    end loop;
+    v_lane_cands := case when jsonb_typeof(l.config -> 'dispatch') = 'array'
+                              and jsonb_array_length(l.config -> 'dispatch') > 0
+                         then l.config -> 'dispatch'
+                         else jsonb_build_array(jsonb_build_object(
+                                  'pool', (select pf.pool from fleet.profiles pf where pf.name = l.config ->> 'profile'),
+                                  'profile', l.config ->> 'profile')) end;
+
+    for v_t in
+        select * from fleet.tasks x
+         where x.lane = s.lane and x.state = 'queued' and x.run_at <= now()
+           and not (x.resume and exists (select 1 from fleet.runs r
+                                          where r.task_id = x.id and r.session_id = s.id
+                                            and r.outcome = 'handed_off'))
+         order by x.priority desc, x.resume desc, x.run_at, x.id
+         limit v_free * 10 + 50
+           for update skip locked
+    loop
+        exit when v_free <= 0;
+        v_cands := case when v_t.profile is not null
+                        then jsonb_build_array(jsonb_build_object(
+                                 'pool', (select pf.pool from fleet.profiles pf where pf.name = v_t.profile),
+                                 'profile', v_t.profile))
+                        else v_lane_cands end;
+        v_choice := null;
+        -- (a FOR loop's variable exists only inside the loop: keep the index in v_idx)
+        for i in 0 .. jsonb_array_length(v_cands) - 1 loop
+            if v_cands -> i ->> 'pool' is null or coalesce((v_avail ->> (v_cands -> i ->> 'pool'))::int, 0) > 0 then
+                v_choice := v_cands -> i;
+                v_idx := i;
+                exit;
+            end if;
+        end loop;
+        continue when v_choice is null;  -- every pool it may draw from is throttled or full
+        v_pool := v_choice ->> 'pool';
+
+        update fleet.tasks x
+           set state = 'running',
+               attempts = x.attempts + 1,
+               lease_token = gen_random_uuid(),
+               lease_expires_at = now() + make_interval(secs => l.lease_seconds),
+               session_id = s.id,
+               resume = false,
+               last_progress_at = now(),
+               tier = fleet._tier_for(l, x.tier),
+               run_profile = v_choice ->> 'profile',
+               pool = v_pool,
+               updated_at = now()
+         where x.id = v_t.id
+        returning x.* into v_c;
+        insert into fleet.runs (task_id, session_id, lane, attempt, lease_token, tier, profile, pool)
+        values (v_c.id, s.id, v_c.lane, v_c.attempts, v_c.lease_token, v_c.tier, v_c.run_profile, v_c.pool);
+        perform fleet._event('claimed', v_c.lane, v_c.id, s.id,
+            jsonb_strip_nulls(jsonb_build_object('attempt', v_c.attempts, 'tier', v_c.tier,
+                'profile', v_c.run_profile, 'pool', v_c.pool,
+                -- drawn from a pool other than the lane's first choice, because that one was
+                -- throttled or full
+                'spilled', case when v_t.profile is null and v_idx > 0 then true end,
+                'preferred_pool', case when v_t.profile is null and v_idx > 0
+                                       then v_lane_cands -> 0 ->> 'pool' end)));
+        if v_pool is not null then
+            v_avail := jsonb_set(v_avail, array[v_pool], to_jsonb((v_avail ->> v_pool)::int - 1));
+        end if;
+        v_free := v_free - 1;
+        return next v_c;
+    end loop;
+end
+$$;
+revoke all on function fleet.claim(uuid,integer) from public;
+grant execute on function fleet.claim(uuid,integer) to fleet_worker, service_role;
+
+-- The lane's spend since midnight UTC (runs started today): cost and tokens of every kind.
+create or replace function fleet._lane_spend_today(p_lane text)
+returns table (cost_usd numeric, tokens numeric)
+language sql
+stable
+as $$
+    select coalesce(sum(r.cost_usd), 0),
+           coalesce(sum(r.input_tokens + r.cache_creation_tokens + r.cache_read_tokens + r.output_tokens), 0)
+      from fleet.runs r
+     where r.lane = p_lane
+       and r.started_at >= (date_trunc('day', now() at time zone 'UTC') at time zone 'UTC');
+$$;
+revoke all on function fleet._lane_spend_today(text) from public;
+grant execute on function fleet._lane_spend_today(text) to fleet_operator, service_role;

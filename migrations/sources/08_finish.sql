@@ -1,0 +1,437 @@
+-- How a run ends: done, failed, handed off, routed, blocked, throttled; and its run record.
+--
+-- The one hand-edited definition of each function and view below. A change here needs a
+-- migration made from it: `uv run python -m worker.dev.sqlsources new <name>` (see README).
+
+create or replace function fleet.complete(p_task bigint, p_token uuid, p_result jsonb default null)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    t fleet.tasks;
+    v_state text;
+begin
+    t := fleet._fenced(p_task, p_token);
+    v_state := fleet._done_state(t.lane);
+    update fleet.tasks
+       set state = v_state, result = p_result, updated_at = now(),
+           finished_at = case when v_state = 'done' then now() end,
+           attention = null, attention_at = null,
+           lease_token = null, lease_expires_at = null, session_id = null
+     where id = p_task;
+    perform fleet._end_run(p_token, 'done');
+    perform fleet._event('completed', t.lane, p_task, t.session_id,
+        jsonb_build_object('attempt', t.attempts, 'state', v_state));
+    return v_state;
+end
+$$;
+revoke all on function fleet.complete(bigint,uuid,jsonb) from public;
+grant execute on function fleet.complete(bigint,uuid,jsonb) to fleet_worker, service_role;
+
+create or replace function fleet.complete_many(p_tasks bigint[], p_tokens uuid[], p_results jsonb[] default null)
+returns table (task_id bigint, status text)
+language plpgsql
+security definer set search_path = pg_catalog, fleet, pg_temp
+as $$
+#variable_conflict use_column
+declare
+    v_n int := coalesce(cardinality(p_tasks), 0);
+    v_lanes text[];
+    v_lane_done text[];
+    v_dup bigint;
+    v_ids bigint[];
+    v_tokens uuid[];
+    v_results jsonb[];
+    v_states text[];
+    v_task_lanes text[];
+    v_sessions uuid[];
+    v_attempts int[];
+begin
+    if p_tasks is null or p_tokens is null then
+        perform fleet._raise('LF005', 'complete_many needs p_tasks and p_tokens (arrays of equal length)');
+    end if;
+    if cardinality(p_tokens) <> v_n or (p_results is not null and cardinality(p_results) <> v_n) then
+        perform fleet._raise('LF005',
+            format('complete_many: p_tasks has %s elements, p_tokens %s%s: one token (and result) per task',
+                   v_n, cardinality(p_tokens),
+                   case when p_results is null then '' else format(', p_results %s', cardinality(p_results)) end));
+    end if;
+    if array_position(p_tasks, null) is not null then
+        perform fleet._raise('LF005', format('complete_many: p_tasks[%s] is NULL', array_position(p_tasks, null) - 1));
+    end if;
+    select u.id into v_dup from unnest(p_tasks) u(id) group by u.id having count(*) > 1 order by u.id limit 1;
+    if v_dup is not null then
+        perform fleet._raise('LF005', format('complete_many: task %s is named twice', v_dup));
+    end if;
+    if v_n = 0 then
+        return;
+    end if;
+
+    -- lock every named task, in id order; the lane check of each lane before anything is written,
+    -- and what a completed task of that lane becomes (review or done), once per lane
+    select array_agg(distinct l.lane) into v_lanes
+      from (select t.lane from fleet.tasks t where t.id = any (p_tasks) order by t.id for no key update) l;
+    v_lanes := coalesce(v_lanes, '{}');
+    for i in 1 .. cardinality(v_lanes) loop
+        perform fleet._require_lane(v_lanes[i]);
+        v_lane_done[i] := fleet._done_state(v_lanes[i]);
+    end loop;
+
+    -- the tasks whose lease the given token still holds, read before they are written (the
+    -- session and attempt the journal names), in id order
+    select array_agg(t.id order by t.id), array_agg(i.token order by t.id), array_agg(i.result order by t.id),
+           array_agg(v_lane_done[array_position(v_lanes, t.lane)] order by t.id),
+           array_agg(t.lane order by t.id), array_agg(t.session_id order by t.id),
+           array_agg(t.attempts order by t.id)
+      into v_ids, v_tokens, v_results, v_states, v_task_lanes, v_sessions, v_attempts
+      from unnest(p_tasks, p_tokens, coalesce(p_results, array_fill(null::jsonb, array[v_n])))
+           as i(task_id, token, result)
+      join fleet.tasks t on t.id = i.task_id
+     where t.state = 'running' and i.token is not null and t.lease_token = i.token;
+
+    if v_ids is not null then
+        update fleet.tasks t
+           set state = h.state, result = h.result, updated_at = now(),
+               finished_at = case when h.state = 'done' then now() end,
+               attention = null, attention_at = null,
+               lease_token = null, lease_expires_at = null, session_id = null
+          from unnest(v_ids, v_results, v_states) as h(id, result, state)
+         where t.id = h.id;
+        -- the run of each lease (fleet._end_run)
+        update fleet.runs r
+           set outcome = 'done', ended_at = now()
+          from unnest(v_tokens) as h(token)
+         where r.lease_token = h.token and r.ended_at is null;
+        insert into fleet.events (kind, lane, task_id, session_id, detail)
+        select 'completed', h.lane, h.id, h.session_id, jsonb_build_object('attempt', h.attempts, 'state', h.state)
+          from unnest(v_ids, v_task_lanes, v_sessions, v_attempts, v_states) as h(id, lane, session_id, attempts, state);
+    end if;
+
+    return query
+    select i.task_id,
+           case when h.ord is not null then v_states[h.ord]
+                when exists (select 1 from fleet.tasks t where t.id = i.task_id) then 'lost'
+                else 'unknown' end
+      from unnest(p_tasks) with ordinality as i(task_id, ord)
+      left join unnest(v_ids) with ordinality as h(id, ord) on h.id = i.task_id
+     order by i.ord;
+end
+$$;
+comment on function fleet.complete_many(bigint[], uuid[], jsonb[]) is
+    'Complete many running tasks in one transaction, each fenced by its own lease token as '
+    'fleet.complete fences it: (task_id, status) per element in input order, status done | review | '
+    'lost | unknown. Refused with nothing changed: arrays of different lengths, a NULL or repeated '
+    'task id (LF005), a task of a lane the caller may not work (LF008).';
+revoke all on function fleet.complete_many(bigint[],uuid[],jsonb[]) from public;
+grant execute on function fleet.complete_many(bigint[],uuid[],jsonb[]) to fleet_worker, service_role;
+
+create or replace function fleet.fail(p_task bigint, p_token uuid, p_error text,
+                           p_retryable boolean default true, p_reason text default null)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    t fleet.tasks;
+    l fleet.lanes;
+    v_reason text;
+    v_delay numeric;
+    v_tiers text[];
+    v_at int;
+    v_tier text;
+begin
+    t := fleet._fenced(p_task, p_token);
+    select * into l from fleet.lanes where name = t.lane;
+    if not coalesce(p_retryable, true) then
+        v_reason := 'fatal';
+    elsif t.failures + 1 + t.evaporations >= fleet._cap(t) then
+        v_reason := 'attempt-cap';
+    end if;
+
+    -- one tier up for the next attempt when the lane escalates on this reason; the top tier stays
+    v_tier := t.tier;
+    if v_reason is null and p_reason is not null
+       and p_reason = any (array(select jsonb_array_elements_text(
+               case when jsonb_typeof(l.config -> 'escalate_on') = 'array' then l.config -> 'escalate_on'
+                    else '["unverified-exit", "verify-failed", "stalled"]' end))) then
+        v_tiers := fleet._tiers(l);
+        v_at := array_position(v_tiers, fleet._tier_for(l, t.tier));
+        if v_at is not null and v_at < cardinality(v_tiers) then
+            v_tier := v_tiers[v_at + 1];
+        end if;
+    end if;
+
+    if v_reason is not null then
+        update fleet.tasks
+           set state = 'dead', dead_reason = v_reason, failures = failures + 1, last_error = p_error,
+               verify_pending = false, finished_at = now(), updated_at = now(),
+               lease_token = null, lease_expires_at = null, session_id = null
+         where id = p_task;
+    else
+        v_delay := least(l.backoff_max_seconds::numeric,
+                         l.backoff_base_seconds * power(2::numeric, least(t.failures, 30)));
+        update fleet.tasks
+           set state = 'queued', failures = failures + 1, last_error = p_error, tier = v_tier,
+               verify_pending = false,
+               run_at = now() + make_interval(secs => v_delay::double precision), updated_at = now(),
+               lease_token = null, lease_expires_at = null, session_id = null
+         where id = p_task;
+    end if;
+    update fleet.runs set reason = p_reason where lease_token = p_token;
+    perform fleet._end_run(p_token, 'failed', p_error);
+    perform fleet._event('failed', t.lane, p_task, t.session_id,
+        jsonb_build_object('attempt', t.attempts, 'error', left(p_error, 1000),
+                           'retryable', coalesce(p_retryable, true), 'failure', p_reason,
+                           'state', case when v_reason is null then 'queued' else 'dead' end,
+                           'reason', v_reason, 'backoff_seconds', v_delay));
+    if v_tier is distinct from t.tier then
+        perform fleet._event('escalated', t.lane, p_task, t.session_id,
+            jsonb_build_object('from', t.tier, 'to', v_tier, 'reason', p_reason, 'attempt', t.attempts));
+    end if;
+    return case when v_reason is null then 'queued' else 'dead' end;
+end
+$$;
+revoke all on function fleet.fail(bigint,uuid,text,boolean,text) from public;
+grant execute on function fleet.fail(bigint,uuid,text,boolean,text) to fleet_worker, service_role;
+
+create or replace function fleet.hand_off(p_task bigint, p_token uuid, p_snapshot jsonb)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    t fleet.tasks;
+    l fleet.lanes;
+    v_state text;
+begin
+    if p_snapshot is not null and jsonb_typeof(p_snapshot) <> 'object' then
+        perform fleet._raise('LF005', 'a hand-off snapshot must be a JSON object');
+    end if;
+    t := fleet._fenced(p_task, p_token);
+    select * into l from fleet.lanes where name = t.lane;
+    v_state := case when t.handoffs + 1 > l.max_handoffs then 'dead' else 'queued' end;
+    update fleet.tasks
+       set state = v_state,
+           handoffs = handoffs + 1,
+           handoff = coalesce(p_snapshot, '{}'),
+           agent_session = coalesce(p_snapshot ->> 'agent_session', agent_session),
+           resume = (v_state = 'queued'),
+           run_at = now(),
+           dead_reason = case when v_state = 'dead' then 'handoff-cap' end,
+           finished_at = case when v_state = 'dead' then now() end,
+           updated_at = now(),
+           lease_token = null, lease_expires_at = null, session_id = null
+     where id = p_task;
+    perform fleet._end_run(p_token, 'handed_off');
+    perform fleet._event('handed_off', t.lane, p_task, t.session_id,
+        jsonb_build_object('attempt', t.attempts, 'handoffs', t.handoffs + 1, 'state', v_state));
+    return v_state;
+end
+$$;
+revoke all on function fleet.hand_off(bigint,uuid,jsonb) from public;
+grant execute on function fleet.hand_off(bigint,uuid,jsonb) to fleet_worker, service_role;
+
+create or replace function fleet.route(p_task bigint, p_token uuid, p_lane text, p_note jsonb default null)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    t fleet.tasks;
+    target fleet.lanes;
+begin
+    perform fleet._require_lane(p_lane);
+    target := fleet._lane(p_lane);
+    t := fleet._fenced(p_task, p_token);
+    if target.name = t.lane then
+        perform fleet._raise('LF005', format('task %s is already in lane %L; route to another lane', p_task, p_lane));
+    end if;
+    if target.accepts_from is not null and not (t.lane = any (target.accepts_from)) then
+        perform fleet._raise('LF007', format('lane %L does not accept tasks routed from lane %L', p_lane, t.lane),
+            'it accepts routes from: ' || coalesce(array_to_string(target.accepts_from, ', '), 'no lane'));
+    end if;
+    -- close this stage into the history; the next stage's counters start fresh
+    update fleet.tasks
+       set stages = stages || jsonb_build_array(jsonb_build_object(
+               'lane', t.lane, 'attempts', t.attempts, 'failures', t.failures,
+               'evaporations', t.evaporations, 'handoffs', t.handoffs,
+               'agent_session', t.agent_session, 'checkpoint', t.checkpoint,
+               'note', p_note, 'routed_to', p_lane, 'finished_at', now())),
+           lane = p_lane, state = 'queued', run_at = now(), resume = false,
+           attempts = 0, failures = 0, evaporations = 0, handoffs = 0,
+           checkpoint = null, checkpoint_seq = 0, agent_session = null, handoff = null,
+           last_error = null, updated_at = now(),
+           lease_token = null, lease_expires_at = null, session_id = null
+     where id = p_task;
+    perform fleet._end_run(p_token, 'routed');
+    perform fleet._event('routed', t.lane, p_task, t.session_id,
+        jsonb_build_object('from', t.lane, 'to', p_lane, 'note', p_note));
+    return 'queued';
+end
+$$;
+revoke all on function fleet.route(bigint,uuid,text,jsonb) from public;
+grant execute on function fleet.route(bigint,uuid,text,jsonb) to fleet_worker, service_role;
+
+create or replace function fleet.block(p_task bigint, p_token uuid, p_reason text, p_evidence text default null)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    t fleet.tasks;
+begin
+    if p_reason is null or p_reason !~ '^[a-z][a-z0-9-]{0,62}$' then
+        perform fleet._raise('LF005', format('%L is not a block reason', p_reason),
+            'e.g. automation-broken, capability-unavailable, budget');
+    end if;
+    t := fleet._fenced(p_task, p_token);
+    update fleet.tasks
+       set state = 'blocked', block_reason = p_reason, last_error = coalesce(p_evidence, last_error),
+           verify_pending = false, updated_at = now(),
+           lease_token = null, lease_expires_at = null, session_id = null
+     where id = p_task;
+    update fleet.runs set reason = p_reason where lease_token = p_token;
+    perform fleet._end_run(p_token, 'blocked', p_evidence);
+    perform fleet._event('blocked', t.lane, p_task, t.session_id,
+        jsonb_build_object('attempt', t.attempts, 'reason', p_reason, 'evidence', right(p_evidence, 1000)));
+    return 'blocked';
+end
+$$;
+revoke all on function fleet.block(bigint,uuid,text,text) from public;
+grant execute on function fleet.block(bigint,uuid,text,text) to fleet_worker, service_role;
+
+-- The run hit its pool's usage or rate limit. The pool takes no claims until the reset: p_until
+-- (a time the message named), else now() + p_after_seconds (a delay it named, or the profile's
+-- backoff), else 15 minutes from now. The task goes back to the queue, first of its priority once
+-- the reset has come, with its agent session kept, and no failure counted. Returns the reset.
+create or replace function fleet.throttle(p_task bigint, p_token uuid, p_until timestamptz default null,
+                                          p_note text default null, p_after_seconds double precision default null)
+returns timestamptz
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    t fleet.tasks;
+    v_until timestamptz;
+begin
+    if p_after_seconds is not null and (p_after_seconds < 0 or p_after_seconds > 30 * 86400) then
+        perform fleet._raise('LF005', format('a throttle delay must be 0 to 30 days, not %s s', p_after_seconds));
+    end if;
+    t := fleet._fenced(p_task, p_token);
+    v_until := greatest(coalesce(p_until, now() + make_interval(secs => p_after_seconds),
+                                 now() + interval '15 minutes'), now());
+    if t.pool is not null then
+        update fleet.pools
+           set throttled_until = greatest(coalesce(throttled_until, v_until), v_until),
+               throttle_note = left(p_note, 1000), updated_at = now()
+         where name = t.pool;
+    end if;
+    update fleet.tasks
+       set state = 'queued', run_at = v_until, resume = true, updated_at = now(),
+           lease_token = null, lease_expires_at = null, session_id = null
+     where id = p_task;
+    update fleet.runs set reason = 'usage-limit' where lease_token = p_token;
+    perform fleet._end_run(p_token, 'throttled', p_note);
+    perform fleet._event('throttled', t.lane, p_task, t.session_id,
+        jsonb_strip_nulls(jsonb_build_object('attempt', t.attempts, 'pool', t.pool, 'profile', t.run_profile,
+                                             'until', v_until, 'note', left(p_note, 1000))));
+    return v_until;
+end
+$$;
+revoke all on function fleet.throttle(bigint,uuid,timestamp with time zone,text,double precision) from public;
+grant execute on function fleet.throttle(bigint,uuid,timestamp with time zone,text,double precision) to fleet_worker, service_role;
+
+create or replace function fleet.record_run(p_token uuid, p_report jsonb)
+returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    r fleet.runs;
+    v_task bigint;
+    v_lane text;
+begin
+    if p_report is null or jsonb_typeof(p_report) <> 'object' then
+        perform fleet._raise('LF005', 'a run report must be a JSON object');
+    end if;
+    select task_id, lane into v_task, v_lane from fleet.runs where lease_token = p_token;
+    if not found then
+        perform fleet._raise('LF003', 'no run holds that lease token');
+    end if;
+    perform fleet._require_lane(v_lane);  -- the run's lane: the task may have been routed on since
+    -- Lock order: the task, then its run, as every transition does (_fenced, cancel, _release lock
+    -- the task and then end its run). Taking the run row first deadlocks against them.
+    perform 1 from fleet.tasks where id = v_task for no key update;
+    begin
+        update fleet.runs
+           set exit_code = coalesce((p_report ->> 'exit_code')::int, exit_code),
+               tier = coalesce(p_report ->> 'tier', tier),
+               model = coalesce(p_report ->> 'model', model),
+               gate = coalesce(p_report ->> 'gate', gate),
+               agent_session = coalesce(p_report ->> 'agent_session', agent_session),
+               input_tokens = coalesce((p_report ->> 'input_tokens')::bigint, input_tokens),
+               cache_creation_tokens = coalesce((p_report ->> 'cache_creation_tokens')::bigint, cache_creation_tokens),
+               cache_read_tokens = coalesce((p_report ->> 'cache_read_tokens')::bigint, cache_read_tokens),
+               output_tokens = coalesce((p_report ->> 'output_tokens')::bigint, output_tokens),
+               cost_usd = coalesce((p_report ->> 'cost_usd')::numeric, cost_usd),
+               log_path = coalesce(p_report ->> 'log_path', log_path),
+               error_tail = coalesce(left(p_report ->> 'error_tail', 4000), error_tail)
+         where lease_token = p_token
+        returning * into r;
+    exception when data_exception or check_violation then
+        -- a count that is negative, fractional, not a number or too large
+        perform fleet._raise('LF005', format('a run report has a malformed value: %s', sqlerrm),
+            'token counts are non-negative integers, cost_usd a non-negative number, exit_code an integer');
+    end;
+    -- the agent's own session id, for the next attempt to resume, unless a later run took over
+    -- or the task was routed on since (the next lane's stage starts without an agent session;
+    -- the run row keeps it)
+    if p_report ? 'agent_session' then
+        update fleet.tasks t
+           set agent_session = p_report ->> 'agent_session'
+         where t.id = r.task_id
+           and t.lane = r.lane
+           and not exists (select 1 from fleet.runs later where later.task_id = r.task_id and later.id > r.id);
+    end if;
+end
+$$;
+revoke all on function fleet.record_run(uuid,jsonb) from public;
+grant execute on function fleet.record_run(uuid,jsonb) to fleet_worker, service_role;
+
+-- Close the run row of a lease.
+create or replace function fleet._end_run(p_token uuid, p_outcome text, p_error text default null)
+returns void
+language plpgsql
+as $$
+begin
+    update fleet.runs
+       set outcome = p_outcome,
+           ended_at = now(),
+           error_tail = coalesce(error_tail, left(p_error, 4000))
+     where lease_token = p_token and ended_at is null;
+end
+$$;
+revoke all on function fleet._end_run(uuid,text,text) from public;
+grant execute on function fleet._end_run(uuid,text,text) to service_role;
+
+-- What a completed task of the lane becomes: review when the lane requires one, else done.
+create or replace function fleet._done_state(p_lane text)
+returns text
+language plpgsql
+stable
+as $$
+begin
+    return case when coalesce((select (config ->> 'review')::boolean from fleet.lanes where name = p_lane), false)
+                then 'review' else 'done' end;
+end
+$$;
+revoke all on function fleet._done_state(text) from public;
+grant execute on function fleet._done_state(text) to service_role;

@@ -1,0 +1,211 @@
+-- Operator calls: cancel, retry, resume, reviews, budgets.
+--
+-- The one hand-edited definition of each function and view below. A change here needs a
+-- migration made from it: `uv run python -m worker.dev.sqlsources new <name>` (see README).
+
+create or replace function fleet.cancel(p_task bigint)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    t fleet.tasks;
+begin
+    t := fleet._lock_task(p_task);
+    if t.state = 'cancelled' then
+        return 'cancelled';
+    end if;
+    if t.state not in ('queued', 'running', 'blocked') then
+        perform fleet._raise('LF004',
+            format('task %s is %s: only queued, running or blocked tasks can be cancelled', p_task, t.state));
+    end if;
+    update fleet.tasks
+       set state = 'cancelled', finished_at = now(), updated_at = now(), resume = false,
+           block_reason = null, verify_pending = false,
+           lease_token = null, lease_expires_at = null, session_id = null
+     where id = p_task;
+    if t.state = 'running' then
+        perform fleet._end_run(t.lease_token, 'cancelled');
+    end if;
+    perform fleet._event('cancelled', t.lane, p_task, t.session_id, jsonb_build_object('was', t.state));
+    return 'cancelled';
+end
+$$;
+revoke all on function fleet.cancel(bigint) from public;
+grant execute on function fleet.cancel(bigint) to fleet_operator, service_role;
+
+create or replace function fleet.retry(p_task bigint)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    t fleet.tasks;
+begin
+    t := fleet._lock_task(p_task);
+    if t.state not in ('dead', 'cancelled', 'blocked') then
+        perform fleet._raise('LF004',
+            format('task %s is %s: only dead, cancelled or blocked tasks can be retried', p_task, t.state));
+    end if;
+    -- a fresh cap: the operator has decided it deserves more tries
+    update fleet.tasks
+       set state = 'queued', run_at = now(), failures = 0, evaporations = 0, handoffs = 0,
+           dead_reason = null, block_reason = null, verify_pending = false,
+           finished_at = null, resume = false, updated_at = now()
+     where id = p_task;
+    perform fleet._event('retried', t.lane, p_task, null,
+        jsonb_build_object('was', t.state, 'reason', coalesce(t.dead_reason, t.block_reason)));
+    return 'queued';
+end
+$$;
+revoke all on function fleet.retry(bigint) from public;
+grant execute on function fleet.retry(bigint) to fleet_operator, service_role;
+
+-- An operator's answer to a blocked task: back to the queue. Blocked by its verify gate, the next
+-- claim re-runs the gate only (the agent's work is already there); blocked for another reason
+-- (a budget), the agent runs again.
+create or replace function fleet.resume(p_task bigint)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    t fleet.tasks;
+begin
+    t := fleet._lock_task(p_task);
+    if t.state <> 'blocked' then
+        perform fleet._raise('LF004', format('task %s is %s: only blocked tasks can be resumed', p_task, t.state),
+            'a dead or cancelled task is retried (`fleet retry`)');
+    end if;
+    update fleet.tasks
+       set state = 'queued', run_at = now(), resume = true, updated_at = now(),
+           verify_pending = t.block_reason in ('automation-broken', 'capability-unavailable'),
+           block_reason = null
+     where id = p_task;
+    perform fleet._event('resumed', t.lane, p_task, null,
+        jsonb_build_object('reason', t.block_reason,
+                           'gate_only', t.block_reason in ('automation-broken', 'capability-unavailable')));
+    return 'queued';
+end
+$$;
+revoke all on function fleet.resume(bigint) from public;
+grant execute on function fleet.resume(bigint) to fleet_operator, service_role;
+
+create or replace function fleet.review_approve(p_task bigint, p_note text default null)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    t fleet.tasks;
+    r fleet.runs;
+begin
+    t := fleet._lock_task(p_task);
+    if t.state <> 'review' then
+        perform fleet._raise('LF004', format('task %s is %s: only tasks in review can be approved', p_task, t.state));
+    end if;
+    select * into r from fleet.runs where task_id = p_task and outcome = 'done' order by id desc limit 1;
+    update fleet.tasks
+       set state = 'done', finished_at = now(), updated_at = now(), review_note = null
+     where id = p_task;
+    perform fleet._event('review_approved', t.lane, p_task, r.session_id,
+        jsonb_strip_nulls(jsonb_build_object('note', left(p_note, 2000), 'pool', r.pool, 'profile', r.profile,
+            'host', (select host from fleet.sessions where id = r.session_id), 'run', r.id)));
+    return 'done';
+end
+$$;
+revoke all on function fleet.review_approve(bigint,text) from public;
+grant execute on function fleet.review_approve(bigint,text) to fleet_operator, service_role;
+
+-- Back to the queue with the reviewer's note, which the next attempt's prompt carries. A rejection
+-- is not a failed attempt (the agent did finish), so it spends nothing of the attempt cap.
+create or replace function fleet.review_reject(p_task bigint, p_note text)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    t fleet.tasks;
+    r fleet.runs;
+begin
+    if p_note is null or length(trim(p_note)) = 0 then
+        perform fleet._raise('LF005', 'a rejection needs a note: it is what the next attempt is told');
+    end if;
+    t := fleet._lock_task(p_task);
+    if t.state <> 'review' then
+        perform fleet._raise('LF004', format('task %s is %s: only tasks in review can be rejected', p_task, t.state));
+    end if;
+    select * into r from fleet.runs where task_id = p_task and outcome = 'done' order by id desc limit 1;
+    update fleet.tasks
+       set state = 'queued', run_at = now(), review_note = left(p_note, 8000), updated_at = now()
+     where id = p_task;
+    perform fleet._event('review_rejected', t.lane, p_task, r.session_id,
+        jsonb_strip_nulls(jsonb_build_object('note', left(p_note, 2000), 'pool', r.pool, 'profile', r.profile,
+            'host', (select host from fleet.sessions where id = r.session_id), 'run', r.id)));
+    return 'queued';
+end
+$$;
+revoke all on function fleet.review_reject(bigint,text) from public;
+grant execute on function fleet.review_reject(bigint,text) to fleet_operator, service_role;
+
+-- What a task has spent over all its runs (a task budget counts every attempt).
+create or replace function fleet.task_spend(p_task bigint)
+returns table (cost_usd numeric, tokens numeric)
+language plpgsql
+stable
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    v_lane text;
+begin
+    select lane into v_lane from fleet.tasks where id = p_task;
+    if not found then
+        perform fleet._raise('LF003', format('unknown task %s', p_task));
+    end if;
+    if not fleet._lane_allowed(v_lane) then
+        perform fleet._raise('LF008', format('lane %L is not allowed for this key', v_lane));
+    end if;
+    return query
+    select coalesce(sum(r.cost_usd), 0),
+           coalesce(sum(r.input_tokens + r.cache_creation_tokens + r.cache_read_tokens + r.output_tokens), 0)
+      from fleet.runs r where r.task_id = p_task;
+end
+$$;
+revoke all on function fleet.task_spend(bigint) from public;
+grant execute on function fleet.task_spend(bigint) to fleet_operator, fleet_worker, service_role;
+
+-- An operator's new budget for a task (e.g. before resuming one blocked by its budget). NULL
+-- leaves that limit as it is; 0 removes it.
+create or replace function fleet.set_task_budget(p_task bigint, p_max_cost_usd numeric default null,
+                                                 p_max_tokens bigint default null)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    t fleet.tasks;
+begin
+    if p_max_cost_usd < 0 or p_max_tokens < 0 then
+        perform fleet._raise('LF005', 'a task budget must not be negative');
+    end if;
+    t := fleet._lock_task(p_task);
+    update fleet.tasks
+       set max_cost_usd = case when p_max_cost_usd is null then max_cost_usd else nullif(p_max_cost_usd, 0) end,
+           max_tokens = case when p_max_tokens is null then max_tokens else nullif(p_max_tokens, 0) end,
+           updated_at = now()
+     where id = p_task;
+    perform fleet._event('budget_set', t.lane, p_task, null,
+        jsonb_build_object('max_cost_usd', p_max_cost_usd, 'max_tokens', p_max_tokens,
+                           'was', jsonb_build_object('max_cost_usd', t.max_cost_usd, 'max_tokens', t.max_tokens)));
+    return t.state;
+end
+$$;
+revoke all on function fleet.set_task_budget(bigint,numeric,bigint) from public;
+grant execute on function fleet.set_task_budget(bigint,numeric,bigint) to fleet_operator, service_role;
