@@ -20,6 +20,7 @@ declare
     v_pool text;
     v_t fleet.tasks;
     v_c fleet.tasks;
+    v_over text;
     p record;
 begin
     if p_limit is null or p_limit < 0 then
@@ -68,7 +69,7 @@ begin
     end if;
 
     if not exists (select 1 from fleet.pools) then
-        return query
+        for v_c in
         with ready as (
             -- the next ready tasks of the lane, skipping rows another transaction holds
             -- (not a task this session handed off itself: a hand-off is for the next shift)
@@ -111,7 +112,15 @@ begin
         )
         -- in the order they were picked (the claim clears resume, so order by ready's copy of it)
         select c.* from claimed c join ready r on r.id = c.id
-         order by r.priority desc, r.resume desc, r.run_at, r.id;
+         order by r.priority desc, r.resume desc, r.run_at, r.id
+        loop
+            v_over := fleet._over_budget(v_c, l);
+            if v_over is null then
+                return next v_c;
+            else  -- its earlier runs spent its budget: blocked here, never run into more spend
+                perform fleet.block(v_c.id, v_c.lease_token, 'budget', v_over);
+            end if;
+        end loop;
         return;
     end if;
 
@@ -183,6 +192,11 @@ begin
                 'spilled', case when v_t.profile is null and v_idx > 0 then true end,
                 'preferred_pool', case when v_t.profile is null and v_idx > 0
                                        then v_lane_cands -> 0 ->> 'pool' end)));
+        v_over := fleet._over_budget(v_c, l);
+        if v_over is not null then  -- as above: blocked, and it takes no slot of the pool
+            perform fleet.block(v_c.id, v_c.lease_token, 'budget', v_over);
+            continue;
+        end if;
         if v_pool is not null then
             v_avail := jsonb_set(v_avail, array[v_pool], to_jsonb((v_avail ->> v_pool)::int - 1));
         end if;
@@ -208,3 +222,36 @@ as $$
 $$;
 revoke all on function fleet._lane_spend_today(text) from public;
 grant execute on function fleet._lane_spend_today(text) to fleet_operator, service_role;
+
+-- Why a task just claimed may not run: its earlier runs spent its budget (its own, else its
+-- lane's max_cost_usd / max_tokens as synced). NULL when it may run.
+create or replace function fleet._over_budget(t fleet.tasks, l fleet.lanes)
+returns text
+language plpgsql
+stable
+as $$
+declare
+    v_cost numeric := coalesce(t.max_cost_usd, (l.config ->> 'max_cost_usd')::numeric);
+    v_tokens numeric := coalesce(t.max_tokens, (l.config ->> 'max_tokens')::numeric);
+    v_spent_cost numeric;
+    v_spent_tokens numeric;
+begin
+    if v_cost is null and v_tokens is null then
+        return null;
+    end if;
+    select coalesce(sum(r.cost_usd), 0),
+           coalesce(sum(r.input_tokens + r.cache_creation_tokens + r.cache_read_tokens + r.output_tokens), 0)
+      into v_spent_cost, v_spent_tokens
+      from fleet.runs r where r.task_id = t.id;
+    if v_spent_cost >= v_cost then
+        return format('spent $%s of the task''s $%s budget (%s tokens)', to_char(v_spent_cost, 'FM999999990.0000'),
+                      to_char(v_cost, 'FM999999990.0000'), to_char(v_spent_tokens, 'FM999,999,999,999,990'));
+    elsif v_spent_tokens >= v_tokens then
+        return format('spent %s tokens of the task''s %s budget ($%s)', to_char(v_spent_tokens, 'FM999,999,999,999,990'),
+                      to_char(v_tokens, 'FM999,999,999,999,990'), to_char(v_spent_cost, 'FM999999990.0000'));
+    end if;
+    return null;
+end
+$$;
+revoke all on function fleet._over_budget(fleet.tasks,fleet.lanes) from public;
+grant execute on function fleet._over_budget(fleet.tasks,fleet.lanes) to service_role;
