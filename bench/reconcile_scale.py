@@ -28,7 +28,7 @@ INNER = {
     "expired leases": "select t.id from fleet.tasks t where t.state = 'running' and t.lease_expires_at < now()",
     "stale sessions": "select s.id from fleet.sessions s where s.state = 'active' and s.heartbeat_at < now() - interval '60 s'",
     "ready work of a lane": "select count(*), min(run_at) from fleet.tasks t where t.lane = 'bench' and t.state = 'queued' and t.run_at <= now()",
-    "claim's ready scan": "select t.id from fleet.tasks t where t.lane = 'bench' and t.state = 'queued' and t.run_at <= now() order by t.priority desc, t.resume desc, t.run_at, t.id limit 5",
+    "claim's ready scan": "select t.id from fleet.tasks t where t.lane = 'bench' and t.state = 'queued' and t.run_at <= now() order by t.priority desc, t.carry_over desc, t.run_at, t.id limit 5",
     "running in a lane": "select count(*) from fleet.tasks where lane = 'bench' and state = 'running'",
 }
 

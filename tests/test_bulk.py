@@ -112,7 +112,7 @@ def test_enqueue_many_stores_what_enqueue_task_stores(lanes: psycopg.Connection)
     ])
     enqueue_task(conn, "docs", "one:1", fields["payload"], 9, "2030-01-02T03:04:05Z", 4, "seven")
     enqueue_task(conn, "docs", "one:3", None, 0, None, None, None)
-    same = ("lane", "title", "payload", "priority", "run_at", "max_attempts", "state", "attempts", "resume")
+    same = ("lane", "title", "payload", "priority", "run_at", "max_attempts", "state", "attempts", "carry_over")
     for bulk, single in (("bulk:1", "one:1"), ("bulk:3", "one:3")):
         b = rows(conn, "select * from fleet.tasks where key = %s", (bulk,))[0]
         s = rows(conn, "select * from fleet.tasks where key = %s", (single,))[0]
@@ -445,7 +445,7 @@ def test_hot_table_settings(conn: psycopg.Connection) -> None:
     assert {"events_task", "events_session", "events_kind_ts", "events_ts", "tasks_ready"} <= indexes
     # the claim's ORDER BY is the partial index's order, on queued rows
     assert one(conn, "select indexdef from pg_indexes where indexname = 'tasks_ready'").endswith(
-        "(lane, priority DESC, resume DESC, run_at, id) WHERE (state = 'queued'::text)")
+        "(lane, priority DESC, carry_over DESC, run_at, id) WHERE (state = 'queued'::text)")
 
 
 def test_a_claim_and_a_heartbeat_update_the_session_in_place(lanes: psycopg.Connection) -> None:

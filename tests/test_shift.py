@@ -259,7 +259,7 @@ def test_exit_75_hands_off_without_spending_an_attempt_until_the_handoff_cap(fle
         assert summary.outcomes == {"handed_off": 1}
         t = f.task(task_id)
         # max_attempts is 1: a hand-off that spent an attempt would have killed the task
-        assert (t["state"], t["resume"], t["failures"], t["evaporations"], t["handoffs"], t["attempts"]) == (
+        assert (t["state"], t["carry_over"], t["failures"], t["evaporations"], t["handoffs"], t["attempts"]) == (
             "queued", True, 0, 0, n, n)
         assert "exit 75" in t["handoff"]["reason"]
         assert t["handoff"]["shift_session"] == str(summary.session)
@@ -276,7 +276,7 @@ def test_a_task_that_needs_two_shifts_resumes_from_its_checkpoint_and_agent_sess
     first = f.run_shift("work", max_tasks=1)
     assert first.outcomes == {"handed_off": 1}
     t = f.task(task_id)
-    assert (t["state"], t["resume"], t["handoffs"], t["failures"]) == ("queued", True, 1, 0)
+    assert (t["state"], t["carry_over"], t["handoffs"], t["failures"]) == ("queued", True, 1, 0)
     assert t["checkpoint"] == {"step": 2, "of": 4, "attempt": 1}
     session = t["agent_session"]
     assert session and t["handoff"]["agent_session"] == session
@@ -357,7 +357,7 @@ def test_sigterm_hands_off_running_tasks_and_the_next_shift_resumes_them_first(f
     sessions = {}
     for task_id in hang:
         t = f.task(task_id)
-        assert (t["state"], t["resume"], t["handoffs"], t["failures"], t["evaporations"]) == (
+        assert (t["state"], t["carry_over"], t["handoffs"], t["failures"], t["evaporations"]) == (
             "queued", True, 1, 0, 0)
         snap = t["handoff"]
         assert "SIGTERM" in snap["reason"]

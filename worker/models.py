@@ -23,7 +23,7 @@ class Task(_Row):
     priority: int = 0
     state: str
     run_at: datetime
-    resume: bool = False
+    carry_over: bool = False  # work carried over from an earlier run: claimed first among its priority
     attempts: int = 0
     failures: int = 0
     evaporations: int = 0

@@ -827,7 +827,8 @@ def lane_handoff_markdown(h: LaneHandoff) -> str:
     if h.queue_head:
         lines += ["", "## Head of the queue", ""]
         for q in h.queue_head:
-            flag = " (resume)" if q.get("resume") else ""
+            # (hand-offs written before the column was renamed call it "resume")
+            flag = " (carried over)" if q.get("carry_over", q.get("resume")) else ""
             lines.append(f"- {q.get('id')} `{q.get('key')}` priority {q.get('priority')}{flag}")
     if h.notes:
         lines += ["", "## Notes", "", "```json", json.dumps(h.notes, indent=2, default=str), "```"]

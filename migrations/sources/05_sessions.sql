@@ -91,10 +91,10 @@ begin
            coalesce(sum(r.cost_usd), 0),
            coalesce(p_snapshot, '{}'),
            coalesce((select jsonb_agg(q) from (
-                select t.id, t.key, t.title, t.priority, t.resume, t.run_at
+                select t.id, t.key, t.title, t.priority, t.carry_over, t.run_at
                   from fleet.tasks t
                  where t.lane = s.lane and t.state = 'queued'
-                 order by t.priority desc, t.resume desc, t.run_at, t.id
+                 order by t.priority desc, t.carry_over desc, t.run_at, t.id
                  limit 10) q), '[]')
       from fleet.runs r
      where r.session_id = s.id

@@ -73,13 +73,13 @@ begin
         with ready as (
             -- the next ready tasks of the lane, skipping rows another transaction holds
             -- (not a task this session handed off itself: a hand-off is for the next shift)
-            select t.id, t.priority, t.resume, t.run_at
+            select t.id, t.priority, t.carry_over, t.run_at
               from fleet.tasks t
              where t.lane = s.lane and t.state = 'queued' and t.run_at <= now()
-               and not (t.resume and exists (select 1 from fleet.runs r
+               and not (t.carry_over and exists (select 1 from fleet.runs r
                                               where r.task_id = t.id and r.session_id = s.id
                                                 and r.outcome = 'handed_off'))
-             order by t.priority desc, t.resume desc, t.run_at, t.id
+             order by t.priority desc, t.carry_over desc, t.run_at, t.id
              limit v_free
                for update skip locked
         ), claimed as (
@@ -90,7 +90,7 @@ begin
                    lease_token = gen_random_uuid(),
                    lease_expires_at = now() + make_interval(secs => l.lease_seconds),
                    session_id = s.id,
-                   resume = false,
+                   carry_over = false,
                    last_progress_at = now(),
                    tier = fleet._tier_for(l, t.tier),
                    run_profile = coalesce(t.profile, l.config ->> 'profile'),
@@ -110,9 +110,9 @@ begin
                                                         'profile', c.run_profile))
               from claimed c
         )
-        -- in the order they were picked (the claim clears resume, so order by ready's copy of it)
+        -- in the order they were picked (the claim clears carry_over, so order by ready's copy of it)
         select c.* from claimed c join ready r on r.id = c.id
-         order by r.priority desc, r.resume desc, r.run_at, r.id
+         order by r.priority desc, r.carry_over desc, r.run_at, r.id
         loop
             v_over := fleet._over_budget(v_c, l);
             if v_over is null then
@@ -143,10 +143,10 @@ begin
     for v_t in
         select * from fleet.tasks x
          where x.lane = s.lane and x.state = 'queued' and x.run_at <= now()
-           and not (x.resume and exists (select 1 from fleet.runs r
+           and not (x.carry_over and exists (select 1 from fleet.runs r
                                           where r.task_id = x.id and r.session_id = s.id
                                             and r.outcome = 'handed_off'))
-         order by x.priority desc, x.resume desc, x.run_at, x.id
+         order by x.priority desc, x.carry_over desc, x.run_at, x.id
          limit v_free * 10 + 50
            for update skip locked
     loop
@@ -174,7 +174,7 @@ begin
                lease_token = gen_random_uuid(),
                lease_expires_at = now() + make_interval(secs => l.lease_seconds),
                session_id = s.id,
-               resume = false,
+               carry_over = false,
                last_progress_at = now(),
                tier = fleet._tier_for(l, x.tier),
                run_profile = v_choice ->> 'profile',

@@ -219,7 +219,7 @@ begin
            handoffs = handoffs + 1,
            handoff = coalesce(p_snapshot, '{}'),
            agent_session = coalesce(p_snapshot ->> 'agent_session', agent_session),
-           resume = (v_state = 'queued'),
+           carry_over = (v_state = 'queued'),
            run_at = now(),
            dead_reason = case when v_state = 'dead' then 'handoff-cap' end,
            finished_at = case when v_state = 'dead' then now() end,
@@ -262,7 +262,7 @@ begin
                'evaporations', t.evaporations, 'handoffs', t.handoffs,
                'agent_session', t.agent_session, 'checkpoint', t.checkpoint,
                'note', p_note, 'routed_to', p_lane, 'finished_at', now())),
-           lane = p_lane, state = 'queued', run_at = now(), resume = false,
+           lane = p_lane, state = 'queued', run_at = now(), carry_over = false,
            attempts = 0, failures = 0, evaporations = 0, handoffs = 0,
            checkpoint = null, checkpoint_seq = 0, agent_session = null, handoff = null,
            last_error = null, updated_at = now(),
@@ -334,7 +334,7 @@ begin
          where name = t.pool;
     end if;
     update fleet.tasks
-       set state = 'queued', run_at = v_until, resume = true, updated_at = now(),
+       set state = 'queued', run_at = v_until, carry_over = true, updated_at = now(),
            lease_token = null, lease_expires_at = null, session_id = null
      where id = p_task;
     update fleet.runs set reason = 'usage-limit' where lease_token = p_token;

@@ -21,7 +21,7 @@ begin
             format('task %s is %s: only queued, running or blocked tasks can be cancelled', p_task, t.state));
     end if;
     update fleet.tasks
-       set state = 'cancelled', finished_at = now(), updated_at = now(), resume = false,
+       set state = 'cancelled', finished_at = now(), updated_at = now(), carry_over = false,
            block_reason = null, verify_pending = false,
            lease_token = null, lease_expires_at = null, session_id = null
      where id = p_task;
@@ -53,7 +53,7 @@ begin
     update fleet.tasks
        set state = 'queued', run_at = now(), failures = 0, evaporations = 0, handoffs = 0,
            dead_reason = null, block_reason = null, verify_pending = false,
-           finished_at = null, resume = false, updated_at = now()
+           finished_at = null, carry_over = false, updated_at = now()
      where id = p_task;
     perform fleet._event('retried', t.lane, p_task, null,
         jsonb_build_object('was', t.state, 'reason', coalesce(t.dead_reason, t.block_reason)));
@@ -81,7 +81,7 @@ begin
             'a dead or cancelled task is retried (`fleet retry`)');
     end if;
     update fleet.tasks
-       set state = 'queued', run_at = now(), resume = true, updated_at = now(),
+       set state = 'queued', run_at = now(), carry_over = true, updated_at = now(),
            verify_pending = t.block_reason in ('automation-broken', 'capability-unavailable'),
            block_reason = null
      where id = p_task;

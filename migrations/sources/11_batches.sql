@@ -100,7 +100,7 @@ begin
         select t.id, t.key, t.priority, t.run_at
           from fleet.tasks t
          where t.lane = p_lane and t.state = 'queued' and t.kind = 'task' and t.run_at <= now()
-           and t.failures = 0 and not t.resume and not t.verify_pending
+           and t.failures = 0 and not t.carry_over and not t.verify_pending
          order by t.priority desc, t.run_at, t.id
          limit p_size
            for no key update skip locked
