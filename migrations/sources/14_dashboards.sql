@@ -582,17 +582,21 @@ comment on column fleet.review_accept_rate.accept_rate is 'approved / (approved 
 grant select on fleet.review_accept_rate to fleet_operator;
 grant all on fleet.review_accept_rate to service_role;
 
--- Per lane: tasks by state, retries, hand-offs, tokens and cost (the named query lane_summary).
+-- Per lane: tasks in every state, retries, hand-offs, tokens and cost (what `fleet up` prints).
 -- Invoker: a caller sees the lanes RLS lets it read.
 create or replace function fleet.lane_summary()
-returns table (lane text, queued bigint, running bigint, done bigint, dead bigint, cancelled bigint,
-               retries bigint, handoffs bigint, tokens numeric, cost_usd numeric)
+returns table (lane text, queued bigint, running bigint, blocked bigint, review bigint, batched bigint,
+               done bigint, dead bigint, cancelled bigint, retries bigint, handoffs bigint,
+               tokens numeric, cost_usd numeric)
 language sql
 stable
 as $$
     select l.name,
            count(t.id) filter (where t.state = 'queued'),
            count(t.id) filter (where t.state = 'running'),
+           count(t.id) filter (where t.state = 'blocked'),
+           count(t.id) filter (where t.state = 'review'),
+           count(t.id) filter (where t.state = 'batched'),
            count(t.id) filter (where t.state = 'done'),
            count(t.id) filter (where t.state = 'dead'),
            count(t.id) filter (where t.state = 'cancelled'),
