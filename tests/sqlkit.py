@@ -4,7 +4,8 @@ One definition of each: the calls (``enqueue``, ``open_session``, ``claim``, ``c
 test makes them, the reads a test checks them by (``task``, ``runs``, ``kinds``, ``world``), the
 refusals (``refused`` and the LF SQLSTATEs), a key's view of the database (``as_key``: what
 PostgREST does per request), concurrency (``race``, ``Call``, ``wait_until_waiting``), query plans
-(``explain``, ``assert_index_only``), and the histories several test files build.
+(``explain``, ``assert_index_only``) and the statements of a function as production runs them
+(``function_body``, ``loop_queries``), and the histories several test files build.
 
 Time-dependent behaviour is driven by setting columns directly (``run_at``, ``deadline``,
 ``ended_at``, ``lease_expires_at``, ``heartbeat_at``) instead of sleeping.
@@ -13,6 +14,7 @@ Time-dependent behaviour is driven by setting columns directly (``run_at``, ``de
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import uuid
@@ -34,6 +36,11 @@ INVALID_ARGUMENT = "LF005"
 SESSION_NOT_ACTIVE = "LF006"
 ROUTE_REFUSED = "LF007"
 LANE_NOT_ALLOWED = "LF008"
+
+
+# any partial index of running tasks will do where a plan reads them: the planner picks one of
+# them by the statistics ANALYZE sampled
+RUNNING_INDEXES = {"tasks_running_lease", "tasks_running_session", "tasks_running_lane"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -423,15 +430,42 @@ class Call(threading.Thread):
 
 
 # ------------------------------------------------------------------------------------------------
-# query plans
+# query plans, and the statements a function runs
 
 
+def function_body(conn: psycopg.Connection, signature: str) -> str:
+    """The body of a function as the database runs it (what its source in migrations/sources made)."""
+    return str(one(conn, "select prosrc from pg_proc where oid = %s::regprocedure", (signature,)))
 
 
+def loop_queries(body: str) -> list[str]:
+    """The queries of a PL/pgSQL body's ``for <var> in <query> loop`` statements, in order
+    (comments dropped)."""
+    text = re.sub(r"--[^\n]*", "", body)
+    return [q.strip() for q in re.findall(r"\bfor\s+\w+\s+in\s+(select\b.*?)\s+loop\b", text, re.S | re.I)]
 
 
+def parenthesised_after(body: str, marker: str) -> str:
+    """The text inside the parentheses that open right after ``marker`` in a function body (e.g. a
+    CTE: ``parenthesised_after(body, "ready as")``), comments dropped."""
+    text = re.sub(r"--[^\n]*", "", body)
+    m = re.search(re.escape(marker) + r"\s*\(", text)
+    assert m is not None, f"{marker!r} not in the body"
+    depth, start = 1, m.end()
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start:i].strip()
+    raise AssertionError(f"the parentheses after {marker!r} do not close")
 
 
+def bind(query: str, values: dict[str, str]) -> str:
+    """A PL/pgSQL statement made runnable on its own: each variable (a whole word, e.g. ``s.lane``
+    or ``p_idle_seconds``) replaced by an SQL literal."""
+    for name, literal in values.items():
+        query, n = re.subn(rf"(?<![\w.]){re.escape(name)}(?![\w])", literal, query)
+        assert n, f"{name} is not in {query}"
+    return query
 
 
 def plan_nodes(plan: Any) -> list[dict[str, Any]]:

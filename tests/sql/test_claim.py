@@ -26,9 +26,12 @@ from psycopg import errors
 from psycopg.types.json import Jsonb
 from sqlkit import (
     INVALID_ARGUMENT,
+    RUNNING_INDEXES,
     SESSION_NOT_ACTIVE,
     Call,
     add_lane,
+    assert_index_only,
+    bind,
     cancel,
     claim,
     claim_one,
@@ -38,12 +41,15 @@ from sqlkit import (
     enqueue,
     fail,
     fill,
+    function_body,
     hand_off,
     kinds,
     last_event,
     leases,
+    loop_queries,
     one,
     open_session,
+    parenthesised_after,
     refused,
     release,
     running,
@@ -549,3 +555,30 @@ def test_gated_lanes_stop_claiming_at_their_limit_under_concurrent_claimers(
     assert one(conn, "select count(*) from fleet.tasks where state = 'queued'") == 100 - n
     sid = open_session(conn, "gated", host="host-99")
     assert leases(conn, sid, 5) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# cost follows the active work, not the history
+
+
+def claim_statements(conn: psycopg.Connection, session: uuid.UUID) -> dict[str, str]:
+    """The claim's ready query (without pools, and the pooled claim's) and its running count, read
+    from fleet.claim as the database runs it, bound to lane a, ``session`` and a limit of 4."""
+    body = function_body(conn, "fleet.claim(uuid, int)")
+    values = {"s.lane": "'a'", "s.id": f"'{session}'::uuid", "v_free": "4"}
+    _pools, pooled = loop_queries(body)
+    return {
+        "ready": bind(parenthesised_after(body, "with ready as"), values),
+        "pooled": bind(pooled, values),
+        "running": bind(parenthesised_after(body, "l.max_running -"), {"s.lane": "'a'"}),
+    }
+
+
+def test_the_claim_reads_ready_and_running_tasks_by_partial_index_whatever_the_history(
+        long_history: psycopg.Connection) -> None:
+    """As the monitor's pass does (tests/sql/test_reconcile.py), the claim reads the active work only."""
+    conn = long_history
+    statements = claim_statements(conn, uuid.uuid4())
+    assert_index_only(conn, statements["ready"], "tasks", {"tasks_ready"})
+    assert_index_only(conn, statements["pooled"], "tasks", {"tasks_ready"})
+    assert_index_only(conn, statements["running"], "tasks", RUNNING_INDEXES)

@@ -4,7 +4,8 @@ usage_by_lane_day — against a real PostgreSQL. Each view gets a history built 
 with timestamps moved by UPDATE where a figure depends on them, and its exact figures are asserted.
 The hourly views are checked twice: computed live, and from the rolled-up hours (13_rollups.sql),
 which must agree. Last, every view and column is documented, and a plan test at a moderate scale
-asserts that the time windows are read through indexes.
+asserts that the time windows are read through indexes — by the views themselves and by the named
+queries the dashboards send (monitor/queries.sql, read with the dashboards' own loader).
 (The pool, review, blocked and attention views through real shifts: tests/test_dispatch.py,
 tests/test_guardrails.py.)
 """
@@ -28,12 +29,12 @@ from sqlkit import (
     close_session,
     complete,
     enqueue,
+    explain,
     fail,
     hand_off,
     one,
     open_session,
     pick,
-    plan_nodes,
     record_run,
     release,
     retry,
@@ -47,6 +48,7 @@ from sqlkit import (
     view,
 )
 
+from monitor.dashboards import queries
 from worker.executor import parse_result
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -555,6 +557,23 @@ PLANS = {
 
 
 
+def named_plans(now: datetime) -> list[tuple[str, dict[str, Any], set[str]]]:
+    """The dashboards' named queries of the views above (monitor/queries.sql, loaded as the
+    dashboards load them), with the parameters `fleet status`, `stats` and `snapshot` give them, and
+    the indexes their view's plan must read. (Every window the dashboards give ends now.)"""
+    week = {"since": now - timedelta(days=7), "from": now - timedelta(days=7), "to": now}
+    return [
+        ("lane_overview", {}, PLANS["select * from fleet.lane_overview"]),
+        ("stuck_tasks", {}, PLANS["select * from fleet.stuck_tasks"]),
+        ("sessions", {}, PLANS["select * from fleet.session_overview"]),
+        ("recent_repairs", {"limit": 1000}, PLANS["select * from fleet.recent_repairs"]),
+        ("dead_letters", {"limit": 1000}, PLANS["select * from fleet.dead_letters"]),
+        ("throughput_since", week, PLANS["select * from fleet.throughput_hourly"]),
+        ("usage_since", week, PLANS["select * from fleet.usage_by_lane_day"]),
+        ("cohort", week, PLANS["select * from fleet.cohort_metrics(now() - interval '7 days', now())"]),
+    ]
+
+
 @pytest.fixture
 def moderate(conn: psycopg.Connection) -> psycopg.Connection:
     """5,000 tasks and about 50,000 events over a year (the bench's generator, scaled down)."""
@@ -568,10 +587,12 @@ def moderate(conn: psycopg.Connection) -> psycopg.Connection:
 def test_views_read_their_windows_through_indexes(moderate: psycopg.Connection) -> None:
     conn = moderate
 
+    named = [(f"{name} (monitor/queries.sql)", queries()[name], {"lane": None} | params, wanted)
+             for name, params, wanted in named_plans(one(conn, "select now()"))]
+
     def check(stage: str) -> None:
-        for query, wanted in PLANS.items():
-            plan = one(conn, f"explain (format json) {query}")[0]["Plan"]
-            nodes = plan_nodes(plan)
+        for query, sql_text, params, wanted in [(q, q, None, w) for q, w in PLANS.items()] + named:
+            nodes = explain(conn, sql_text, params)
             seq = sorted({n["Relation Name"] for n in nodes if n["Node Type"] == "Seq Scan"} & BIG)
             assert seq == [], f"{stage}: {query} scans {seq} sequentially"
             used = {n["Index Name"] for n in nodes if "Index Name" in n}

@@ -20,14 +20,18 @@ from typing import Any
 import psycopg
 import pytest
 from sqlkit import (
+    RUNNING_INDEXES,
     SESSION_NOT_ACTIVE,
     assert_fenced,
     assert_index_only,
+    bind,
     claim_exactly,
     enqueue,
     events,
     expire,
     explain,
+    function_body,
+    loop_queries,
     one,
     open_session,
     reconcile,
@@ -492,81 +496,36 @@ def test_concurrent_monitors_over_expired_leases(db_url, conn):
 # cost follows the active work, not the history
 
 
-# the key statements of fleet.reconcile(), copied from the function
-STALE_SESSIONS = """
-    select s.id
-      from fleet.sessions s
-      join fleet.lanes l on l.name = s.lane
-     where s.state = 'active'
-       and s.heartbeat_at < now() - make_interval(secs => coalesce(l.session_timeout_seconds, l.lease_seconds))
-     order by s.id"""
-HELD_BY_ENDED = """
-    select t.id, t.lane, t.session_id, s.state as session_state
-      from fleet.tasks t
-      join fleet.sessions s on s.id = t.session_id
-     where t.state = 'running' and s.state <> 'active'
-     order by t.id"""
-EXPIRED = """
-    select t.id, t.lane, t.session_id
-      from fleet.tasks t
-     where t.state = 'running' and t.lease_expires_at < now()
-     order by t.lease_expires_at
-       for no key update skip locked"""
-OVERDUE = """
-    select s.id, s.lane, s.deadline, s.host, s.pid
-      from fleet.sessions s
-     where s.state = 'active'
-       and s.deadline < now() - make_interval(secs => 60)
-       and not exists (select 1 from fleet.events e
-                        where e.session_id = s.id and e.kind = 'session_overdue')"""
-IDLE = """
-    select l.name, ready.n, ready.oldest, coalesce(running.n, 0) as running, l.max_running
-      from fleet.lanes l
-      cross join lateral (
-            select count(*) as n, min(t.run_at) as oldest
-              from fleet.tasks t
-             where t.lane = l.name and t.state = 'queued' and t.run_at <= now()) ready
-      left join lateral (
-            select count(*) as n from fleet.tasks t where t.lane = l.name and t.state = 'running') running
-        on true
-     where not l.paused
-       and ready.n > 0
-       and ready.oldest < now() - make_interval(secs => 300)
-       and (l.max_running is null or coalesce(running.n, 0) < l.max_running)
-       and not exists (select 1 from fleet.sessions s where s.lane = l.name and s.state = 'active')
-     order by l.name"""
-SESSION_TASKS = "select t.id from fleet.tasks t where t.session_id = %s and t.state = 'running' order by t.id"
-# the claim's ready query and its running count (any partial index of running tasks will do:
-# the planner picks one of them by statistics sampled by ANALYZE)
-CLAIM_READY = """
-    select t.id, t.priority, t.resume, t.run_at
-      from fleet.tasks t
-     where t.lane = 'a' and t.state = 'queued' and t.run_at <= now()
-     order by t.priority desc, t.resume desc, t.run_at, t.id
-     limit 4
-       for update skip locked"""
-CLAIM_RUNNING = "select count(*) from fleet.tasks where lane = 'a' and state = 'running'"
-
-RUNNING = {"tasks_running_lease", "tasks_running_session", "tasks_running_lane"}
 ACTIVE_SESSIONS = {"sessions_active_heartbeat", "sessions_active_lane", "sessions_active_host"}
 
 
-def test_cost_follows_the_active_work_not_the_history(long_history):
+def reconcile_statements(conn: psycopg.Connection) -> dict[str, str]:
+    """The statements of fleet.reconcile() (idle 300 s, grace 60 s) and the one of the
+    fleet.declare_session_lost() it calls for each lost session (its session a parameter), read
+    from the functions as the database runs them."""
+    stale, held, expired, overdue, idle = loop_queries(function_body(conn, "fleet.reconcile(int, int)"))
+    [session_tasks] = loop_queries(function_body(conn, "fleet.declare_session_lost(uuid, text)"))
+    return {"stale_sessions": stale, "held_by_ended": held, "expired": expired,
+            "overdue": bind(overdue, {"p_overdue_grace_seconds": "60"}),
+            "idle": bind(idle, {"p_idle_seconds": "300"}),
+            "session_tasks": bind(session_tasks, {"p_session": "%s"})}
+
+
+def test_cost_follows_the_active_work_not_the_history(long_history: psycopg.Connection) -> None:
     conn = long_history
+    q = reconcile_statements(conn)
     # the monitor's statements read running tasks, ready tasks and active sessions by partial index
-    assert_index_only(conn, EXPIRED, "tasks", {"tasks_running_lease"})
-    assert_index_only(conn, HELD_BY_ENDED, "tasks", RUNNING)
-    assert_index_only(conn, SESSION_TASKS, "tasks", {"tasks_running_session"}, (uuid.uuid4(),))
-    assert_index_only(conn, IDLE, "tasks", {"tasks_ready"} | RUNNING)
-    ready_scans = {i for _, i in scans_of(explain(conn, IDLE), "tasks")}
+    assert_index_only(conn, q["expired"], "tasks", {"tasks_running_lease"})
+    assert_index_only(conn, q["held_by_ended"], "tasks", RUNNING_INDEXES)
+    assert_index_only(conn, q["session_tasks"], "tasks", {"tasks_running_session"}, (uuid.uuid4(),))
+    assert_index_only(conn, q["idle"], "tasks", {"tasks_ready"} | RUNNING_INDEXES)
+    ready_scans = {i for _, i in scans_of(explain(conn, q["idle"]), "tasks")}
     assert "tasks_ready" in ready_scans, ready_scans
-    assert_index_only(conn, STALE_SESSIONS, "sessions", ACTIVE_SESSIONS)
-    assert_index_only(conn, OVERDUE, "sessions", ACTIVE_SESSIONS)
-    assert_index_only(conn, OVERDUE, "events", {"events_session", "events_kind_ts"})
-    assert_index_only(conn, IDLE, "sessions", ACTIVE_SESSIONS)
-    # and so do the claim's ready query and its running count
-    assert_index_only(conn, CLAIM_READY, "tasks", {"tasks_ready"})
-    assert_index_only(conn, CLAIM_RUNNING, "tasks", RUNNING)
+    assert_index_only(conn, q["stale_sessions"], "sessions", ACTIVE_SESSIONS)
+    assert_index_only(conn, q["overdue"], "sessions", ACTIVE_SESSIONS)
+    assert_index_only(conn, q["overdue"], "events", {"events_session", "events_kind_ts"})
+    assert_index_only(conn, q["idle"], "sessions", ACTIVE_SESSIONS)
+    # (and so do the claim's ready query and its running count: tests/sql/test_claim.py)
 
     # the pass itself repairs the active work and nothing of the history
     expire(conn, *[r["id"] for r in rows(conn, "select id from fleet.tasks where lane = 'a' and state = 'running'")])
