@@ -226,6 +226,10 @@ class Fleet:
     def runs(self, task_id: int) -> list[dict[str, Any]]:
         return self.sql("select * from fleet.runs where task_id = %s order by id", (task_id,))
 
+    def workspace_rows(self, task_id: int) -> list[dict[str, Any]]:
+        """The task's rows of fleet.workspaces (one per host and path), oldest first."""
+        return self.sql("select * from fleet.workspaces where task_id = %s order by id", (task_id,))
+
     def event_kinds(self, task_id: int) -> list[str]:
         return [r["kind"] for r in self.sql("select kind from fleet.events where task_id = %s order by id",
                                             (task_id,))]

@@ -23,7 +23,6 @@ import sys
 import tempfile
 import termios
 import time
-import uuid
 from collections import defaultdict
 from decimal import Decimal
 from html.parser import HTMLParser
@@ -33,9 +32,9 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg.types.json import Jsonb
-from test_sql_api import (
+from sqlkit import (
+    build_batch_history,
     cancel,
-    claim_one,
     close_session,
     complete,
     enqueue,
@@ -47,6 +46,7 @@ from test_sql_api import (
     release,
     retry,
     route,
+    take,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,15 +84,6 @@ KINDS = ["input_tokens", "cache_creation_tokens", "cache_read_tokens", "output_t
 
 # ------------------------------------------------------------------------------------------------
 # the history and the command
-
-
-def take(conn: psycopg.Connection, session: uuid.UUID, task_id: int) -> dict[str, Any]:
-    conn.execute("update fleet.tasks set priority = 1000, run_at = least(run_at, now()) where id = %s",
-                 (task_id,))
-    got = claim_one(conn, session)
-    assert got["id"] == task_id
-    conn.execute("update fleet.tasks set priority = 0 where id = %s", (task_id,))
-    return got
 
 
 def build_history(url: str) -> dict[str, Any]:
@@ -341,6 +332,21 @@ def test_stats_table_and_refusals(db_url: str, home: Path, world: dict[str, Any]
     refused(run_fleet("stats", "--since", "45d", url=db_url, home=home), "at most 30d")
     refused(run_fleet("stats", "--since", "a while", url=db_url, home=home), "--since")
     refused(run_fleet("stats", "--lane", "nope", url=db_url, home=home), "unknown lane")
+
+
+def test_fleet_stats_shows_the_split_when_the_window_saw_a_batch(conn: psycopg.Connection, db_url: str,
+                                                                 tmp_path: Path) -> None:
+    build_batch_history(conn)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "fleet.toml").write_text(FLEET_TOML)
+    data = json.loads(ok(run_fleet("stats", "--json", "--lane", "code", url=db_url, home=home)))
+    assert [(r["cohort"], r["tasks"], r["batch_members"], r["ship_runs"]) for r in data["cohort_split"]] == [
+        ("batched", 3, 3, 1), ("unbatched", 2, 0, 0)]
+    out = ok(run_fleet("stats", "--lane", "code", url=db_url, home=home))
+    assert "batched vs unbatched" in out
+    batched = next(line for line in out.splitlines() if line.strip().strip("│┃ ").startswith("batched"))
+    assert "66.7%" in batched  # 2 of 3 members evicted
 
 
 # ------------------------------------------------------------------------------------------------

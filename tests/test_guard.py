@@ -5,6 +5,7 @@ The end-to-end tests run a real shift (both back-ends) whose agent, a small scri
 test's folder, calls ``fleet guard`` the way an agent would — found on its PATH, which the test
 strips of lanefleet's virtualenv so that only what the shift provides can make it work. The lease is
 then repaired away while the agent still runs, and the agent's next guarded command is refused.
+(fleet.lease_held itself, and its security: tests/sql/test_lease.py.)
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 from fleetkit import ROOT, Backend, Fleet, lane_defaults, wait_for
 
@@ -374,56 +374,3 @@ def test_run_dirs_of_dead_shifts_are_swept_and_no_other(tmp_path: Path) -> None:
             live.stop()
     finally:
         shutil.rmtree(base, ignore_errors=True)
-
-
-# -- 3. the SQL function and its security
-
-
-def test_lease_held_in_sql_and_its_security(conn: psycopg.Connection) -> None:
-    for lane in ("docs", "bugfix"):
-        conn.execute("select fleet.sync_lane(%s, '{}')", (lane,))
-    conn.execute("select fleet.enqueue('bugfix', 'bugfix:1')")
-    s = conn.execute("select fleet.open_session('bugfix', 'h', 1, null, 600)").fetchone()[0]
-    task, token = conn.execute("select id, lease_token from fleet.claim(%s, 1)", (s,)).fetchone()
-
-    def held(tok: Any, task_id: int = task) -> tuple[bool, str]:
-        return conn.execute("select held, state from fleet.lease_held(%s, %s)", (task_id, tok)).fetchone()
-
-    assert held(token) == (True, "running")
-    assert held(uuid.uuid4()) == (False, "running")
-    assert held(None) == (False, "running")
-    assert held(token, task + 1000) == (False, "unknown")
-    conn.execute("update fleet.tasks set lease_expires_at = now() - interval '1 millisecond' where id = %s", (task,))
-    assert held(token) == (False, "running")  # expired by the database's clock, not repaired yet
-    conn.execute("update fleet.tasks set lease_expires_at = now() + interval '1 minute' where id = %s", (task,))
-    assert held(token) == (True, "running")
-    assert conn.execute("select fleet.cancel(%s)", (task,)).fetchone()[0] == "cancelled"
-    assert held(token) == (False, "cancelled")
-
-    # the rules of 20261130100400_fleet_roles_rls.sql
-    definer, config, volatile = conn.execute(
-        "select prosecdef, proconfig, provolatile from pg_proc where oid = 'fleet.lease_held(bigint, uuid)'::regprocedure"
-    ).fetchone()
-    assert (definer, config, volatile) == (True, ["search_path=pg_catalog, fleet, pg_temp"], "s")
-    may = {role: conn.execute("select has_function_privilege(%s, 'fleet.lease_held(bigint, uuid)', 'execute')",
-                              (role,)).fetchone()[0]
-           for role in ("fleet_worker", "service_role", "anon", "authenticated", "fleet_operator")}
-    assert may == {"fleet_worker": True, "service_role": True, "anon": False, "authenticated": False,
-                   "fleet_operator": False}
-    public = conn.execute("""select exists (select 1 from pg_proc p, aclexplode(p.proacl) a
-                               where p.oid = 'fleet.lease_held(bigint, uuid)'::regprocedure
-                                 and a.grantee = 0)""").fetchone()[0]
-    assert public is False
-
-    # a key for the docs lane may not ask about a bugfix task; one for bugfix may
-    for lanes, ok in ((["docs"], False), (["bugfix"], True)):
-        with conn.transaction(force_rollback=True):
-            conn.execute("select set_config('role', 'fleet_worker', true)")
-            conn.execute("select set_config('request.jwt.claims', %s, true)",
-                         (json.dumps({"role": "fleet_worker", "fleet_lanes": lanes}),))
-            if ok:
-                assert held(token) == (False, "cancelled")
-            else:
-                with pytest.raises(psycopg.Error) as err:
-                    held(token)
-                assert err.value.sqlstate == "LF008"

@@ -820,25 +820,3 @@ def test_cli_pushed_file_edited_afterwards_stops_migrate(
         migrate(empty_db_url, migrations=load_migrations(folder))
     assert versions(empty_db_url) == ["20260101000001"]
     assert not relation_exists(empty_db_url, "second_t")
-
-
-def test_every_writing_api_function_runs_as_its_owner_with_a_pinned_search_path(conn: psycopg.Connection) -> None:
-    """`create or replace function` resets SECURITY DEFINER and SET: a later migration that redefines an
-    API function without saying them again would leave a worker key unable to call it (RLS) or open to
-    a search_path attack. Every volatile API function a key role may call must keep both."""
-    bad = conn.execute("""
-        select p.oid::regprocedure::text, p.prosecdef, p.proconfig
-          from pg_proc p join pg_namespace n on n.oid = p.pronamespace
-         where n.nspname = 'fleet' and p.provolatile = 'v' and p.prokind = 'f' and p.proname !~ '^_'
-           and (has_function_privilege('fleet_worker', p.oid, 'execute')
-                or has_function_privilege('fleet_operator', p.oid, 'execute'))
-           and not (p.prosecdef and exists (select 1 from unnest(p.proconfig) c
-                                             where c like 'search_path=pg_catalog,%' and c not like '%public%'))
-         order by 1""").fetchall()
-    assert bad == []
-    callable_by_public = conn.execute("""
-        select p.oid::regprocedure::text
-          from pg_proc p join pg_namespace n on n.oid = p.pronamespace
-         where n.nspname = 'fleet' and p.prosecdef and has_function_privilege('public', p.oid, 'execute')
-         order by 1""").fetchall()
-    assert callable_by_public == []

@@ -1,7 +1,8 @@
 """Task workspaces (issue #9, item 4): the ``fleet.workspaces`` record a shift keeps per task and
 host, reuse on the same host, the monitor's reaper (finished tasks past the lane's retention, never
 a live one, never outside the workspaces root) and ``fleet workspaces`` — through real shifts
-running the scripted agent, on both back-ends (conftest ``backend``).
+running the scripted agent, on both back-ends (conftest ``backend``). (The fence of
+fleet.touch_workspace: tests/sql/test_workspaces.py.)
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import pytest
 from fleetkit import Backend, Fleet, lane_defaults
 
 from monitor.reconcile import monitor_pass, reap_workspaces
-from worker.errors import LeaseLost
 from worker.workspace import REAPING, UnsafePath, disk_use, remove_workspace, workspace_path
 
 HOST = "ws-test-host"
@@ -34,10 +34,6 @@ def fleet_of(backend: Backend, tmp_path: Path):
     yield make
     for f in made:
         f.close()
-
-
-def rows_of(f: Fleet, task_id: int) -> list[dict[str, Any]]:
-    return f.sql("select * from fleet.workspaces where task_id = %s order by id", (task_id,))
 
 
 def age(f: Fleet, task_id: int, seconds: float) -> None:
@@ -64,7 +60,7 @@ def test_a_shift_records_its_workspace_with_its_size_and_a_finished_one_is_reape
     ws = f.workspace("work", "issue:1")
     (ws / "build.bin").write_bytes(os.urandom(64 * 1024))  # what an agent leaves behind
 
-    [row] = rows_of(f, task_id)
+    [row] = f.workspace_rows(task_id)
     assert (row["host"], row["path"], row["lane"], row["state"]) == (HOST, str(ws), "work", "active")
     assert row["bytes"] > 0 and row["reaped_at"] is None
     assert f.sql("select (config ->> 'workspace_retention_seconds')::float as s from fleet.lanes "
@@ -85,7 +81,7 @@ def test_a_shift_records_its_workspace_with_its_size_and_a_finished_one_is_reape
     assert detail["path"] == str(ws) and detail["bytes_freed"] >= 64 * 1024
     assert detail["bytes_freed"] == usage.bytes and detail["left"] == 0
     assert list((f.workspaces / REAPING).iterdir()) == []  # nothing parked half-deleted
-    [row] = rows_of(f, task_id)
+    [row] = f.workspace_rows(task_id)
     assert row["state"] == "reaped" and row["reaped_at"] is not None and row["bytes_freed"] == usage.bytes
     assert f.event_kinds(task_id).count("workspace_reaped") == 1
     # reaped once: a later pass has nothing to do
@@ -96,12 +92,12 @@ def test_a_handed_off_task_reuses_its_workspace_on_the_same_host(fleet_of) -> No
     f = fleet_of()
     task_id = f.enqueue("work", "long", {"steps": 2, "steps_per_shift": 1, "sleep": 0.05})
     assert f.run_shift("work", host=HOST, max_tasks=1).outcomes == {"handed_off": 1}
-    [first] = rows_of(f, task_id)
+    [first] = f.workspace_rows(task_id)
     ws = f.workspace("work", "long")
     (ws / "notes.txt").write_text("work in progress")  # the agent's work, kept for the next shift
 
     assert f.run_shift("work", host=HOST).outcomes == {"done": 1}
-    [second] = rows_of(f, task_id)  # the same row: one workspace per task, host and path
+    [second] = f.workspace_rows(task_id)  # the same row: one workspace per task, host and path
     assert second["id"] == first["id"] and second["path"] == first["path"] == str(ws)
     assert second["created_at"] == first["created_at"]
     assert second["last_used_at"] > first["last_used_at"]
@@ -113,7 +109,7 @@ def test_a_handed_off_task_reuses_its_workspace_on_the_same_host(fleet_of) -> No
           (task_id,))
     f.monitor_store.retry(task_id)
     assert f.run_shift("work", host="another-host").outcomes == {"done": 1}
-    assert [(r["host"], r["id"] == first["id"]) for r in rows_of(f, task_id)] == [
+    assert [(r["host"], r["id"] == first["id"]) for r in f.workspace_rows(task_id)] == [
         (HOST, True), ("another-host", False)]
 
 
@@ -122,27 +118,11 @@ def test_a_failed_attempt_retried_on_the_same_host_reuses_the_row(fleet_of) -> N
     task_id = f.enqueue("work", "flaky", {**QUICK, "fail_attempts": 1})
     summary = f.run_shift("work", host=HOST)
     assert summary.outcomes == {"failed": 1, "done": 1}
-    [row] = rows_of(f, task_id)
+    [row] = f.workspace_rows(task_id)
     runs = f.runs(task_id)
     # made by the first attempt (after its claim), used last by the second
     assert len(runs) == 2 and runs[0]["started_at"] <= row["created_at"] <= runs[1]["started_at"]
     assert row["last_used_at"] >= runs[1]["started_at"]
-
-
-def test_touch_workspace_is_fenced_by_the_lease(fleet_of, tmp_path: Path) -> None:
-    f = fleet_of(lease_seconds=600)
-    task_id = f.enqueue("work", "fenced", QUICK)
-    session = f.store.open_session("work", HOST, os.getpid(), None, 600)
-    [task] = f.store.claim(session, 1)
-    assert task.lease_token is not None
-    wid = f.store.touch_workspace(task_id, task.lease_token, HOST, str(tmp_path / "ws" / "work" / "fenced"), 10)
-    assert f.store.touch_workspace(task_id, task.lease_token, HOST, str(tmp_path / "ws" / "work" / "fenced"),
-                                   None) == wid
-    assert rows_of(f, task_id)[0]["bytes"] == 10  # None keeps the last size
-    f.store.complete(task_id, task.lease_token, None)
-    with pytest.raises(LeaseLost):
-        f.store.touch_workspace(task_id, task.lease_token, HOST, "/elsewhere", 1)
-    assert [r["path"] for r in rows_of(f, task_id)] == [str(tmp_path / "ws" / "work" / "fenced")]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,7 +173,7 @@ def test_a_live_tasks_workspace_is_never_reaped_even_past_retention(fleet_of) ->
     assert set(reaped(actions)) == {done} and not done_ws.exists()
     for tid, key in live.items():
         assert f.workspace("work", key).is_dir(), key
-        assert [r["state"] for r in rows_of(f, tid)] == ["active"], key
+        assert [r["state"] for r in f.workspace_rows(tid)] == ["active"], key
     if f.backend.rest:  # a worker key records workspaces; reaping them is the monitor's (an operator's)
         from worker.supabase_store import AccessDenied
 
@@ -229,14 +209,14 @@ def test_a_task_retried_between_listing_and_reaping_keeps_its_workspace(fleet_of
     actions = reap_workspaces(RetriedAfterListing(f.monitor_store, task_id), f.cfg, HOST)  # type: ignore[arg-type]
     assert reaped(actions) == {}
     assert ws.is_dir() and (ws / ".fleet" / "prompt.md").exists()
-    assert [r["state"] for r in rows_of(f, task_id)] == ["active"]
+    assert [r["state"] for r in f.workspace_rows(task_id)] == ["active"]
     assert "workspace_reaped" not in f.event_kinds(task_id)
     # the database said no under the task's lock, so asking again says no too
-    [row] = rows_of(f, task_id)
+    [row] = f.workspace_rows(task_id)
     assert f.monitor_store.workspace_reaped(row["id"], 1) is False
     # the retried task runs in the workspace it had
     assert f.run_shift("work", host=HOST).outcomes == {"failed": 1}
-    assert [r["id"] for r in rows_of(f, task_id)] == [row["id"]]
+    assert [r["id"] for r in f.workspace_rows(task_id)] == [row["id"]]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -257,7 +237,7 @@ def test_the_reaper_refuses_a_recorded_path_outside_the_workspaces_root(fleet_of
     refused = [a for a in actions if a.action == "workspace_refused"]
     assert [a.task_id for a in refused] == [task_id] and "not under the workspaces root" in refused[0].detail["error"]
     assert (outside / "data.txt").read_text() == "keep me"
-    assert [r["state"] for r in rows_of(f, task_id)] == ["active"]
+    assert [r["state"] for r in f.workspace_rows(task_id)] == ["active"]
 
 
 def _tree(root: Path) -> Path:

@@ -9,7 +9,6 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict
 
-
 # Every state of a task, as the schema's CHECK task_state lists them (a test holds them equal), and
 # the finished ones (finished_at is set exactly for these: CHECK finished_has_time). Any other
 # state is open: queued or running, blocked or in review (waiting for a person), batched.

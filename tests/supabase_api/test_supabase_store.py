@@ -92,7 +92,7 @@ def script(st: Any) -> list[Any]:
     out.append(st.close_session(session, "deadline", {"note": 1}) > 0)
     s2 = st.open_session("docs", "host", 78, None, 600)
     (third,) = st.claim(s2, 1)
-    out.append((third.agent_session, third.resume, third.attempts))
+    out.append((third.agent_session, third.carry_over, third.attempts))
     out.append(st.route(third.id, third.lease_token, "review", {"why": "done"}))
     s3 = st.open_session("review", "host", 79, None, 600)
     (fourth,) = st.claim(s3, 1)

@@ -1,17 +1,19 @@
-"""The operator dashboards in SQL (DESIGN §10, migrations/*_fleet_views.sql), against a real Postgres.
-
-Each view gets a history built with the real SQL API (enqueue, claim, complete, fail, hand_off,
-route, record_run, cancel, retry, _release, reconcile, ...), with timestamps moved by UPDATE
-where a figure depends on them, and its exact figures are asserted. The hourly views are checked
-twice: computed live, and from the rolled-up hours (fleet.roll_up_lane_hours), which must agree.
-Last, a plan test at a moderate scale asserts that the time windows are read through indexes.
+"""The dashboards group (migrations/sources/14_dashboards.sql): the operator's views in SQL —
+lane_overview, stuck_tasks, session_overview, recent_repairs, dead_letters, throughput_hourly,
+usage_by_lane_day — against a real PostgreSQL. Each view gets a history built with the real SQL API,
+with timestamps moved by UPDATE where a figure depends on them, and its exact figures are asserted.
+The hourly views are checked twice: computed live, and from the rolled-up hours (13_rollups.sql),
+which must agree. Last, every view and column is documented, and a plan test at a moderate scale
+asserts that the time windows are read through indexes — by the views themselves and by the named
+queries the dashboards send (monitor/queries.sql, read with the dashboards' own loader).
+(The pool, review, blocked and attention views through real shifts: tests/test_dispatch.py,
+tests/test_guardrails.py.)
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import uuid
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -20,80 +22,48 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg.types.json import Jsonb
-from test_sql_api import (
+from sqlkit import (
+    build_throughput_history,
     cancel,
     checkpoint,
-    claim_one,
     close_session,
     complete,
     enqueue,
+    explain,
     fail,
     hand_off,
     one,
     open_session,
+    pick,
     record_run,
     release,
     retry,
+    roll_up,
     route,
     rows,
+    set_run,
+    sync_lane,
+    take,
+    utc_hour,
+    view,
 )
 
+from monitor.dashboards import queries
 from worker.executor import parse_result
+from worker.models import TASK_STATES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+
+
 VIEWS = ["lane_overview", "stuck_tasks", "session_overview", "recent_repairs", "dead_letters",
          "throughput_hourly", "usage_by_lane_day", "pool_overview", "pool_accept_rate", "blocked_tasks",
          "review_queue", "review_accept_rate", "attention_tasks", "workspace_usage"]
-
-
-# ------------------------------------------------------------------------------------------------
-# helpers
-
-
-def lane(conn: psycopg.Connection, name: str, **settings: Any) -> str:
-    assert one(conn, "select fleet.sync_lane(%s, %s)", (name, Jsonb(settings))) == "created"
-    return name
-
-
-def take(conn: psycopg.Connection, session: uuid.UUID, task_id: int) -> dict[str, Any]:
-    """Claim exactly this task: it is made the first ready task of its lane for the claim."""
-    conn.execute("update fleet.tasks set priority = 1000, run_at = least(run_at, now()) where id = %s",
-                 (task_id,))
-    got = claim_one(conn, session)
-    assert got["id"] == task_id, f"claimed {got['id']}, wanted {task_id}"
-    conn.execute("update fleet.tasks set priority = 0 where id = %s", (task_id,))
-    return got
-
-
-def run_id(conn: psycopg.Connection, token: Any) -> int:
-    return int(one(conn, "select id from fleet.runs where lease_token = %s", (token,)))
-
-
-def set_run(conn: psycopg.Connection, token: Any, started: str | None = None, ended: str | None = None) -> None:
-    """Move a run's start and end (SQL expressions, e.g. ``now() - interval '1 hour'``)."""
-    if started:
-        conn.execute(f"update fleet.runs set started_at = {started} where lease_token = %s", (token,))
-    if ended:
-        conn.execute(f"update fleet.runs set ended_at = {ended} where lease_token = %s", (token,))
-
-
-def view(conn: psycopg.Connection, name: str, where: str = "true", params: Any = None) -> list[dict[str, Any]]:
-    return rows(conn, f"select * from fleet.{name} where {where}", params)
 
 
 def by(rows_: list[dict[str, Any]], key: str) -> dict[Any, dict[str, Any]]:
     out = {r[key]: r for r in rows_}
     assert len(out) == len(rows_), f"{key} repeats in {rows_}"
     return out
-
-
-def pick(row: dict[str, Any], *keys: str) -> dict[str, Any]:
-    return {k: row[k] for k in keys}
-
-
-def roll_up(conn: psycopg.Connection) -> int:
-    return int(one(conn, "select fleet.roll_up_lane_hours(0)"))
 
 
 def forget_roll_up(conn: psycopg.Connection) -> None:
@@ -105,9 +75,9 @@ def forget_roll_up(conn: psycopg.Connection) -> None:
 
 
 def test_lane_overview_counts_live_work_and_the_last_24_hours(conn: psycopg.Connection) -> None:
-    lane(conn, "a", max_running=3, max_attempts=2, max_handoffs=1, backoff_base_seconds=3600)
-    lane(conn, "b")
-    lane(conn, "c", paused=True, max_running=0)
+    sync_lane(conn, "a", max_running=3, max_attempts=2, max_handoffs=1, backoff_base_seconds=3600)
+    sync_lane(conn, "b")
+    sync_lane(conn, "c", paused=True, max_running=0)
     s1 = open_session(conn, "a", host="h1", pid=101)
 
     x1 = enqueue(conn, "a", "x1")
@@ -177,7 +147,7 @@ def test_lane_overview_counts_live_work_and_the_last_24_hours(conn: psycopg.Conn
 
 
 def test_stuck_tasks_names_each_reason(conn: psycopg.Connection) -> None:
-    lane(conn, "s", lease_seconds=60, max_attempts=5, backoff_base_seconds=0, config={"stall_seconds": 600})
+    sync_lane(conn, "s", lease_seconds=60, max_attempts=5, backoff_base_seconds=0, config={"stall_seconds": 600})
     sa = open_session(conn, "s", host="ha", pid=11)
     # ten stages completed an hour ago, lasting 100 s .. 1000 s: p95 = 900 + 0.55 * 100 = 955
     for i in range(1, 11):
@@ -252,7 +222,7 @@ def test_stuck_tasks_names_each_reason(conn: psycopg.Connection) -> None:
 
 
 def test_stuck_tasks_needs_ten_completions_for_a_p95(conn: psycopg.Connection) -> None:
-    lane(conn, "s", lease_seconds=60)
+    sync_lane(conn, "s", lease_seconds=60)
     sa = open_session(conn, "s")
     for i in range(9):
         t = enqueue(conn, "s", f"hist-{i}")
@@ -269,7 +239,7 @@ def test_stuck_tasks_needs_ten_completions_for_a_p95(conn: psycopg.Connection) -
 
 
 def test_session_overview_lists_active_and_recent_shifts(conn: psycopg.Connection) -> None:
-    lane(conn, "a", lease_seconds=60, backoff_base_seconds=0)
+    sync_lane(conn, "a", lease_seconds=60, backoff_base_seconds=0)
     s1 = open_session(conn, "a", host="h1", pid=101)
     for key, tokens, cost in (("t1", 100, "0.1"), ("t2", 200, "0.2")):
         t = enqueue(conn, "a", key)
@@ -326,7 +296,7 @@ def test_session_overview_lists_active_and_recent_shifts(conn: psycopg.Connectio
 
 
 def test_recent_repairs_newest_first_with_reason_and_outcome(conn: psycopg.Connection) -> None:
-    lane(conn, "r", lease_seconds=3, session_timeout_seconds=3600, max_attempts=3, backoff_base_seconds=0)
+    sync_lane(conn, "r", lease_seconds=3, session_timeout_seconds=3600, max_attempts=3, backoff_base_seconds=0)
     sr = open_session(conn, "r", host="hr", pid=7)
     r1 = enqueue(conn, "r", "r1")
     take(conn, sr, r1)
@@ -370,7 +340,7 @@ def test_recent_repairs_newest_first_with_reason_and_outcome(conn: psycopg.Conne
 
 
 def test_dead_letters_say_why_with_the_last_error(conn: psycopg.Connection) -> None:
-    lane(conn, "d", max_attempts=3, max_handoffs=0, backoff_base_seconds=0)
+    sync_lane(conn, "d", max_attempts=3, max_handoffs=0, backoff_base_seconds=0)
     s = open_session(conn, "d")
     d1 = enqueue(conn, "d", "d1", title="fatal one")
     token = take(conn, s, d1)["lease_token"]
@@ -406,87 +376,7 @@ def test_dead_letters_say_why_with_the_last_error(conn: psycopg.Connection) -> N
 
 
 # ------------------------------------------------------------------------------------------------
-# throughput_hourly
-
-
-def _hour(conn: psycopg.Connection, offset_hours: int) -> datetime:
-    """The start of the UTC hour ``offset_hours`` from the current one."""
-    return one(conn, "select date_trunc('hour', now(), 'UTC') + make_interval(hours => %s)", (offset_hours,))
-
-
-def build_throughput_history(conn: psycopg.Connection) -> dict[str, Any]:
-    """Two lanes, two hours H and H+1 (H = three hours ago), every kind of outcome."""
-    lane(conn, "a", max_attempts=3, backoff_base_seconds=0, accepts_from=None)
-    lane(conn, "b")
-    h = _hour(conn, -3)
-
-    def at(minutes: float) -> str:
-        return f"'{(h + timedelta(minutes=minutes)).isoformat()}'::timestamptz"
-
-    def created(task_id: int, minutes: float) -> None:
-        conn.execute(f"update fleet.tasks set created_at = {at(minutes)} where id = %s", (task_id,))
-
-    s = open_session(conn, "a")
-    s2 = open_session(conn, "a")
-    sb = open_session(conn, "b")
-    # t1: one run, 10 min: done in H
-    t1 = enqueue(conn, "a", "t1")
-    created(t1, 5)
-    tok = take(conn, s, t1)["lease_token"]
-    complete(conn, t1, tok)
-    set_run(conn, tok, at(10), at(20))
-    # t2: failed at H+1m..2m, then done H+30m .. H+70m: stage wall-clock 69 min, done in H+1
-    t2 = enqueue(conn, "a", "t2")
-    created(t2, 0)
-    tok1 = take(conn, s, t2)["lease_token"]
-    fail(conn, t2, tok1)
-    tok2 = take(conn, s, t2)["lease_token"]
-    complete(conn, t2, tok2)
-    set_run(conn, tok1, at(1), at(2))
-    set_run(conn, tok2, at(30), at(70))
-    # t3: handed off H+5m..15m, then done by the next shift H+20m..40m: 35 min, done in H
-    t3 = enqueue(conn, "a", "t3")
-    created(t3, 4)
-    tok1 = take(conn, s, t3)["lease_token"]
-    hand_off(conn, t3, tok1, {})
-    tok2 = take(conn, s2, t3)["lease_token"]
-    complete(conn, t3, tok2)
-    set_run(conn, tok1, at(5), at(15))
-    set_run(conn, tok2, at(20), at(40))
-    # t4: claimed H+50m, repaired H+55m
-    t4 = enqueue(conn, "a", "t4")
-    created(t4, 49)
-    tok = take(conn, s, t4)["lease_token"]
-    release(conn, t4, "lease-expired")
-    set_run(conn, tok, at(50), at(55))
-    # t5: a routes it to b H+3m..13m (10 min), b does it H+60m..90m (30 min)
-    t5 = enqueue(conn, "a", "t5")
-    created(t5, 2)
-    tok1 = take(conn, s, t5)["lease_token"]
-    route(conn, t5, tok1, "b", {"why": "review"})
-    tok2 = take(conn, sb, t5)["lease_token"]
-    complete(conn, t5, tok2)
-    set_run(conn, tok1, at(3), at(13))
-    set_run(conn, tok2, at(60), at(90))
-    conn.execute(f"update fleet.events set ts = {at(13)} where task_id = %s and kind = 'routed'", (t5,))
-    # t6: claimed H+105m, still running
-    t6 = enqueue(conn, "a", "t6")
-    created(t6, 100)
-    tok = take(conn, s, t6)["lease_token"]
-    set_run(conn, tok, at(105))
-    # t7: claimed H+100m, cancelled while running H+110m
-    t7 = enqueue(conn, "a", "t7")
-    created(t7, 100)
-    tok = take(conn, s, t7)["lease_token"]
-    cancel(conn, t7)
-    set_run(conn, tok, at(100), at(110))
-    # t8: 31 days ago: out of the window
-    t8 = enqueue(conn, "a", "t8")
-    tok = take(conn, s, t8)["lease_token"]
-    complete(conn, t8, tok)
-    conn.execute("update fleet.tasks set created_at = now() - interval '31 days' where id = %s", (t8,))
-    set_run(conn, tok, "now() - interval '31 days'", "now() - interval '31 days' + interval '1 minute'")
-    return {"h": h, "h1": h + timedelta(hours=1)}
+# throughput_hourly (the history: sqlkit.build_throughput_history)
 
 
 EMPTY = {"enqueued": 0, "routed_in": 0, "started": 0, "done": 0, "routed": 0, "failed": 0, "handed_off": 0,
@@ -520,37 +410,15 @@ def test_throughput_hourly_counts_arrivals_claims_outcomes_and_wall_clock(conn: 
     assert [(r["lane"], r["hour"]) for r in view(conn, "throughput_hourly")] == sorted(
         want, key=lambda k: (-k[1].timestamp(), k[0]))  # newest hour first
     assert roll_up(conn) == 4
-    assert one(conn, "select rolled_until from fleet.lane_hours_rollup") == _hour(conn, 0)
+    assert one(conn, "select rolled_until from fleet.lane_hours_rollup") == utc_hour(conn, 0)
     assert one(conn, "select count(*) from fleet.lane_hours") == 4
     assert got() == want                                 # read from the roll-up
     assert roll_up(conn) == 0                            # no hour closed since
 
 
-def test_roll_up_recomputes_late_writes_and_skips_when_busy(db_url: str, conn: psycopg.Connection) -> None:
-    hours = build_throughput_history(conn)
-    roll_up(conn)
-    rolled = "select input_tokens from fleet.lane_hours where lane = 'a' and hour = %s"
-    assert one(conn, rolled, (hours["h"],)) == 0
-    # a late write into a rolled-up hour (a run's tokens recorded after the roll-up) ...
-    token = one(conn, "select lease_token from fleet.runs where task_id = (select id from fleet.tasks where key = 't1')")
-    record_run(conn, token, {"input_tokens": 1000, "cost_usd": 0.5})
-    assert one(conn, rolled, (hours["h"],)) == 0
-    # ... is counted once the next hour closes: the last two hours rolled up are computed again
-    # (H is three hours back; the hour before the last one rolled up is two hours after it)
-    conn.execute("update fleet.lane_hours_rollup set rolled_until = rolled_until - interval '1 hour'")
-    assert roll_up(conn) > 0
-    assert one(conn, rolled, (hours["h"],)) == 1000
-    # a second roll-up while one runs returns -1 and writes nothing
-    with psycopg.connect(db_url) as other:
-        other.execute("select pg_advisory_xact_lock(7366104385829013)")
-        conn.execute("update fleet.lane_hours_rollup set rolled_until = rolled_until - interval '1 hour'")
-        assert roll_up(conn) == -1
-        other.rollback()
-    assert roll_up(conn) > 0
-
-
 # ------------------------------------------------------------------------------------------------
 # usage_by_lane_day
+
 
 STREAM = [
     {"type": "system", "subtype": "init", "session_id": "agent-1"},
@@ -568,8 +436,8 @@ STREAM = [
 
 
 def test_usage_by_lane_day_sums_model_usage_per_utc_day(conn: psycopg.Connection) -> None:
-    lane(conn, "a", backoff_base_seconds=0)
-    lane(conn, "b")
+    sync_lane(conn, "a", backoff_base_seconds=0)
+    sync_lane(conn, "b")
     s = open_session(conn, "a")
     today = one(conn, "select date_trunc('day', now(), 'UTC')")
     yesterday = today - timedelta(days=1)
@@ -637,154 +505,6 @@ def test_usage_by_lane_day_sums_model_usage_per_utc_day(conn: psycopg.Connection
 
 
 # ------------------------------------------------------------------------------------------------
-# cohort_metrics
-
-
-def test_cohort_metrics_of_a_known_cohort(conn: psycopg.Connection) -> None:
-    lane(conn, "a", max_attempts=2, backoff_base_seconds=0)
-    lane(conn, "b")
-    s = open_session(conn, "a")
-    sb = open_session(conn, "b")
-    t0 = one(conn, "select date_trunc('hour', now(), 'UTC') - interval '2 days'")
-    t1 = t0 + timedelta(days=1)
-
-    def at(minutes: float) -> str:
-        return f"'{(t0 + timedelta(minutes=minutes)).isoformat()}'::timestamptz"
-
-    def made(key: str, lane_name: str = "a", minutes: float = 0) -> int:
-        task_id = enqueue(conn, lane_name, key)
-        conn.execute(f"update fleet.tasks set created_at = {at(minutes)} where id = %s", (task_id,))
-        return task_id
-
-    def finish(task_id: int, minutes: float) -> None:
-        conn.execute(f"update fleet.tasks set finished_at = {at(minutes)} where id = %s", (task_id,))
-
-    tok_cost = {"input_tokens": 100, "cache_creation_tokens": 10, "cache_read_tokens": 1000, "output_tokens": 20,
-                "cost_usd": 0.1}
-    c1 = made("c1")                                   # done: wall 10 min
-    tok = take(conn, s, c1)["lease_token"]
-    record_run(conn, tok, tok_cost)
-    complete(conn, c1, tok)
-    set_run(conn, tok, at(10), at(20))
-    finish(c1, 20)
-    c2 = made("c2")                                   # failed, then done: wall 60 min
-    tok1 = take(conn, s, c2)["lease_token"]
-    record_run(conn, tok1, tok_cost)
-    fail(conn, c2, tok1)
-    tok2 = take(conn, s, c2)["lease_token"]
-    record_run(conn, tok2, tok_cost)
-    complete(conn, c2, tok2)
-    set_run(conn, tok1, at(5), at(6))
-    set_run(conn, tok2, at(30), at(65))
-    finish(c2, 65)
-    c3 = made("c3")                                   # handed off, then done: wall 120 min
-    tok1 = take(conn, s, c3)["lease_token"]
-    hand_off(conn, c3, tok1, {})
-    s2 = open_session(conn, "a")
-    tok2 = take(conn, s2, c3)["lease_token"]
-    complete(conn, c3, tok2)
-    set_run(conn, tok1, at(60), at(90))
-    set_run(conn, tok2, at(100), at(180))
-    finish(c3, 180)
-    c4 = made("c4")                                   # repaired twice: dead at the cap
-    take(conn, s, c4)
-    release(conn, c4, "lease-expired")
-    take(conn, s, c4)
-    release(conn, c4, "lease-expired")
-    conn.execute(f"update fleet.runs set started_at = {at(40)}, ended_at = {at(41)} where task_id = %s", (c4,))
-    finish(c4, 300)                                   # the last finish
-    c5 = made("c5")                                   # cancelled while queued
-    cancel(conn, c5)
-    c6 = made("c6")                                   # dead (fatal), retried by an operator: queued
-    tok = take(conn, s, c6)["lease_token"]
-    fail(conn, c6, tok, retryable=False)
-    retry(conn, c6)
-    set_run(conn, tok, at(2), at(3))
-    c7 = made("c7")                                   # a -> b, done in b: wall 240 min, entered by a
-    tok1 = take(conn, s, c7)["lease_token"]
-    route(conn, c7, tok1, "b")
-    tok2 = take(conn, sb, c7)["lease_token"]
-    record_run(conn, tok2, tok_cost)
-    complete(conn, c7, tok2)
-    set_run(conn, tok1, at(1), at(11))
-    set_run(conn, tok2, at(200), at(241))
-    finish(c7, 241)
-    c8 = made("c8", "b", 30)                          # b only: wall 30 min
-    tok = take(conn, sb, c8)["lease_token"]
-    complete(conn, c8, tok)
-    set_run(conn, tok, at(40), at(70))
-    finish(c8, 70)
-    before = made("c9", "a", -10)                     # queued before the cohort: not in it
-    complete(conn, before, take(conn, s, before)["lease_token"])
-    after = made("c10", "a", 24 * 60)                 # queued at p_to: not in it
-    assert after
-
-    def cohort(lane_name: str | None = None) -> dict[str, Any]:
-        got = rows(conn, "select * from fleet.cohort_metrics(%s, %s, %s)", (t0, t1, lane_name))
-        assert len(got) == 1
-        return got[0]
-
-    everything = cohort()
-    assert everything == {
-        "lane": None, "cohort_from": t0, "cohort_to": t1,
-        "tasks": 8, "completed": 5, "dead": 1, "cancelled": 1, "open": 1,
-        "first_claim_at": t0 + timedelta(minutes=1), "last_finish_at": t0 + timedelta(minutes=300),
-        "makespan_seconds": Decimal("17940.0"),
-        # walls of the done tasks: 10, 60, 120, 240 (c7: since its claim in a), 30 (c8) minutes
-        "wall_p50_seconds": Decimal("3600.0"), "wall_p95_seconds": Decimal("12960.0"),
-        "runs": 11, "attempts_per_task": Decimal("1.38"), "failures": 2, "handoffs": 1, "repairs": 2,
-        "input_tokens": 400, "cache_creation_tokens": 40, "cache_read_tokens": 4000, "output_tokens": 80,
-        "total_tokens": 4520, "cost_usd": Decimal("0.400000"),
-        "tokens_per_completed": Decimal("904.0"), "cost_per_completed": Decimal("0.080000"),
-        "operator_cancels": 1, "operator_retries": 1, "interventions": 2}
-    a = cohort("a")
-    assert pick(a, "lane", "tasks", "completed", "dead", "cancelled", "open", "runs", "failures", "handoffs",
-                "repairs", "total_tokens", "interventions", "wall_p50_seconds") == {
-        "lane": "a", "tasks": 7, "completed": 4, "dead": 1, "cancelled": 1, "open": 1, "runs": 10,
-        "failures": 2, "handoffs": 1, "repairs": 2, "total_tokens": 4520, "interventions": 2,
-        "wall_p50_seconds": Decimal("5400.0")}
-    b = cohort("b")
-    assert pick(b, "tasks", "completed", "runs", "makespan_seconds", "wall_p50_seconds", "total_tokens",
-                "cost_per_completed") == {
-        "tasks": 1, "completed": 1, "runs": 1, "makespan_seconds": Decimal("1800.0"),
-        "wall_p50_seconds": Decimal("1800.0"), "total_tokens": 0, "cost_per_completed": Decimal("0.000000")}
-    empty = cohort("nope")
-    assert pick(empty, "tasks", "completed", "runs", "makespan_seconds", "attempts_per_task",
-                "cost_per_completed", "interventions") == {
-        "tasks": 0, "completed": 0, "runs": 0, "makespan_seconds": None, "attempts_per_task": None,
-        "cost_per_completed": None, "interventions": 0}
-
-
-def test_cohort_metrics_agree_for_recent_and_old_cohorts(conn: psycopg.Connection) -> None:
-    """An old cohort is read task by task, a recent one by range: the same figures either way."""
-    lane(conn, "a", backoff_base_seconds=0)
-    s = open_session(conn, "a")
-    ids = []
-    for i in range(4):
-        t = enqueue(conn, "a", f"o{i}")
-        tok = take(conn, s, t)["lease_token"]
-        if i == 0:
-            fail(conn, t, tok)
-            tok = take(conn, s, t)["lease_token"]
-        record_run(conn, tok, {"input_tokens": 10 * (i + 1), "cost_usd": 0.01})
-        complete(conn, t, tok)
-        ids.append(t)
-    query = "select * from fleet.cohort_metrics(now() - interval '1 hour', now() + interval '1 hour')"
-    recent = rows(conn, query)[0]
-    # the same history, 60 days older
-    for table, cols in (("tasks", ["created_at", "updated_at", "finished_at", "run_at"]),
-                        ("runs", ["started_at", "ended_at"]), ("events", ["ts"])):
-        sets = ", ".join(f"{c} = {c} - interval '60 days'" for c in cols)
-        conn.execute(f"update fleet.{table} set {sets}")
-    old = rows(conn, query.replace("now() -", "now() - interval '60 days' -").replace(
-        "now() +", "now() - interval '60 days' +"))[0]
-    for key in ("cohort_from", "cohort_to", "first_claim_at", "last_finish_at"):
-        recent.pop(key), old.pop(key)
-    assert old == recent
-    assert recent["tasks"] == 4 and recent["runs"] == 5 and recent["input_tokens"] == 100
-
-
-# ------------------------------------------------------------------------------------------------
 # documentation
 
 
@@ -817,15 +537,10 @@ def _bench() -> ModuleType:
     return module
 
 
-def plan_nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
-    out = [plan]
-    for child in plan.get("Plans", []):
-        out += plan_nodes(child)
-    return out
-
-
 # the tables that grow with history (fleet.lane_hours holds at most 400 days of lane-hours)
 BIG = {"tasks", "runs", "events", "sessions", "lane_handoffs"}
+
+
 PLANS = {
     # query: indexes its time window (or live rows) must be read through
     "select * from fleet.lane_overview": {"tasks_ready", "tasks_running_lane|tasks_lane_state",
@@ -842,6 +557,24 @@ PLANS = {
 }
 
 
+
+def named_plans(now: datetime) -> list[tuple[str, dict[str, Any], set[str]]]:
+    """The dashboards' named queries of the views above (monitor/queries.sql, loaded as the
+    dashboards load them), with the parameters `fleet status`, `stats` and `snapshot` give them, and
+    the indexes their view's plan must read. (Every window the dashboards give ends now.)"""
+    week = {"since": now - timedelta(days=7), "from": now - timedelta(days=7), "to": now}
+    return [
+        ("lane_overview", {}, PLANS["select * from fleet.lane_overview"]),
+        ("stuck_tasks", {}, PLANS["select * from fleet.stuck_tasks"]),
+        ("sessions", {}, PLANS["select * from fleet.session_overview"]),
+        ("recent_repairs", {"limit": 1000}, PLANS["select * from fleet.recent_repairs"]),
+        ("dead_letters", {"limit": 1000}, PLANS["select * from fleet.dead_letters"]),
+        ("throughput_since", week, PLANS["select * from fleet.throughput_hourly"]),
+        ("usage_since", week, PLANS["select * from fleet.usage_by_lane_day"]),
+        ("cohort", week, PLANS["select * from fleet.cohort_metrics(now() - interval '7 days', now())"]),
+    ]
+
+
 @pytest.fixture
 def moderate(conn: psycopg.Connection) -> psycopg.Connection:
     """5,000 tasks and about 50,000 events over a year (the bench's generator, scaled down)."""
@@ -855,10 +588,12 @@ def moderate(conn: psycopg.Connection) -> psycopg.Connection:
 def test_views_read_their_windows_through_indexes(moderate: psycopg.Connection) -> None:
     conn = moderate
 
+    named = [(f"{name} (monitor/queries.sql)", queries()[name], {"lane": None} | params, wanted)
+             for name, params, wanted in named_plans(one(conn, "select now()"))]
+
     def check(stage: str) -> None:
-        for query, wanted in PLANS.items():
-            plan = one(conn, f"explain (format json) {query}")[0]["Plan"]
-            nodes = plan_nodes(plan)
+        for query, sql_text, params, wanted in [(q, q, None, w) for q, w in PLANS.items()] + named:
+            nodes = explain(conn, sql_text, params)
             seq = sorted({n["Relation Name"] for n in nodes if n["Node Type"] == "Seq Scan"} & BIG)
             assert seq == [], f"{stage}: {query} scans {seq} sequentially"
             used = {n["Index Name"] for n in nodes if "Index Name" in n}
@@ -868,3 +603,26 @@ def test_views_read_their_windows_through_indexes(moderate: psycopg.Connection) 
     check("live")                        # nothing rolled up: the whole 30 days computed live
     assert roll_up(conn) > 0
     check("rolled up")
+
+
+def test_lane_summary_counts_every_state(conn: psycopg.Connection) -> None:
+    conn.execute("select fleet.sync_lane('s', '{}'::jsonb)")
+    for i in range(len(TASK_STATES)):
+        conn.execute("select fleet.enqueue('s', %s)", (f"k{i}",))
+    # put one task in each state (as the functions would leave it; the CHECKs hold)
+    for i, state in enumerate(TASK_STATES):
+        conn.execute(
+            """update fleet.tasks set state = %(s)s,
+                      block_reason = case when %(s)s = 'blocked' then 'test' end,
+                      finished_at = case when %(s)s in ('done', 'dead', 'cancelled') then now() end,
+                      lease_token = case when %(s)s = 'running' then gen_random_uuid() end,
+                      lease_expires_at = case when %(s)s = 'running' then now() + interval '1 minute' end,
+                      session_id = case when %(s)s = 'running'
+                                        then fleet.open_session('s', 'h', 1, now(), 60) end
+                where key = %(k)s""",
+            {"s": state, "k": f"k{i}"},
+        )
+    cur = conn.execute("select * from fleet.lane_summary() where lane = 's'")
+    assert cur.description is not None
+    row = dict(zip([d.name for d in cur.description], cur.fetchone() or (), strict=True))
+    assert {s: row[s] for s in TASK_STATES} == dict.fromkeys(TASK_STATES, 1)

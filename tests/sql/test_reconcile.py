@@ -1,7 +1,12 @@
-"""fleet.reconcile() and fleet.declare_session_lost() (DESIGN §7), called over psycopg.
+"""The reconcile group (migrations/sources/10_reconcile.sql): fleet.reconcile(), the monitor's pass —
+expired leases, sessions that stopped heartbeating, tasks held by an ended session, overdue
+sessions, idle capacity, two monitors at once — and what it costs over a long history (the plans of
+its own statements, read from the function). Called over psycopg against a real, freshly migrated
+PostgreSQL. (fleet.declare_session_lost on its own: tests/sql/test_sessions.py; fleet.stalled_tasks
+through real shifts: tests/test_guardrails.py.)
 
 Time is driven by writing the columns the monitor reads (lease_expires_at, heartbeat_at, deadline,
-run_at) instead of sleeping. Each test gets a freshly migrated database (the ``conn`` fixture).
+run_at) instead of sleeping.
 """
 
 from __future__ import annotations
@@ -14,90 +19,29 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb
-
-LEASE_LOST = "LF001"
-SESSION_NOT_ACTIVE = "LF006"
-
-
-# ------------------------------------------------------------------------------------------------
-# helpers
-
-
-def rows(conn: psycopg.Connection, query: str, params: Any = None) -> list[dict[str, Any]]:
-    with conn.cursor(row_factory=dict_row) as cur:
-        cur.execute(query, params)
-        return cur.fetchall() if cur.description else []
-
-
-def one(conn: psycopg.Connection, query: str, params: Any = None) -> Any:
-    row = conn.execute(query, params).fetchone()
-    assert row is not None
-    return row[0]
-
-
-def lane(conn: psycopg.Connection, name: str = "a", **settings: Any) -> str:
-    settings.setdefault("lease_seconds", 60)
-    settings.setdefault("max_attempts", 3)
-    settings.setdefault("backoff_base_seconds", 0)
-    assert one(conn, "select fleet.sync_lane(%s, %s)", (name, Jsonb(settings))) == "created"
-    return name
-
-
-def enqueue(conn: psycopg.Connection, lane_name: str, key: str | None = None, **kw: Any) -> int:
-    return int(one(conn, "select fleet.enqueue(%s, %s, %s, 0, coalesce(%s::timestamptz, now()), %s)",
-                   (lane_name, key or f"k-{uuid.uuid4().hex[:10]}", Jsonb(kw.get("payload", {})),
-                    kw.get("run_at"), kw.get("max_attempts"))))
-
-
-def session(conn: psycopg.Connection, lane_name: str, host: str = "h1", pid: int = 4242,
-            seconds: int = 600) -> uuid.UUID:
-    return one(conn, "select fleet.open_session(%s, %s, %s, now(), %s)", (lane_name, host, pid, seconds))
-
-
-def claim(conn: psycopg.Connection, sess: uuid.UUID, n: int = 1) -> list[dict[str, Any]]:
-    got = rows(conn, "select * from fleet.claim(%s, %s)", (sess, n))
-    assert len(got) == n, got
-    return got
-
-
-def task(conn: psycopg.Connection, task_id: int) -> dict[str, Any]:
-    got = rows(conn, "select * from fleet.tasks where id = %s", (task_id,))
-    assert len(got) == 1
-    return got[0]
-
-
-def sess_row(conn: psycopg.Connection, sess: uuid.UUID) -> dict[str, Any]:
-    return rows(conn, "select * from fleet.sessions where id = %s", (sess,))[0]
-
-
-def reconcile(conn: psycopg.Connection, idle: int = 300, grace: int = 60) -> list[dict[str, Any]]:
-    return rows(conn, "select * from fleet.reconcile(%s, %s)", (idle, grace))
-
-
-def expire(conn: psycopg.Connection, *task_ids: int, ago: str = "1 second") -> None:
-    conn.execute("update fleet.tasks set lease_expires_at = now() - %s::interval where id = any(%s)",
-                 (ago, list(task_ids)))
-
-
-def repaired_events(conn: psycopg.Connection, task_id: int) -> list[dict[str, Any]]:
-    return rows(conn, "select * from fleet.events where kind = 'repaired' and task_id = %s order by id",
-                (task_id,))
-
-
-def events(conn: psycopg.Connection, kind: str, lane_name: str | None = None) -> list[dict[str, Any]]:
-    return rows(conn, "select * from fleet.events where kind = %s and (%s::text is null or lane = %s)"
-                      " order by id", (kind, lane_name, lane_name))
-
-
-def assert_fenced(conn: psycopg.Connection, task_id: int, token: uuid.UUID) -> None:
-    with pytest.raises(psycopg.Error) as info:
-        conn.execute("select fleet.complete(%s, %s, null)", (task_id, token))
-    assert info.value.sqlstate == LEASE_LOST, info.value
-    with pytest.raises(psycopg.Error) as info:
-        conn.execute("select fleet.checkpoint(%s, %s, '{}')", (task_id, token))
-    assert info.value.sqlstate == LEASE_LOST, info.value
+from sqlkit import (
+    RUNNING_INDEXES,
+    SESSION_NOT_ACTIVE,
+    assert_fenced,
+    assert_index_only,
+    bind,
+    claim_exactly,
+    enqueue,
+    events,
+    expire,
+    explain,
+    function_body,
+    loop_queries,
+    one,
+    open_session,
+    reconcile,
+    repaired_events,
+    rows,
+    scans_of,
+    session_row,
+    sync_lane,
+    task,
+)
 
 
 def actions(result: list[dict[str, Any]]) -> list[tuple[str, int | None]]:
@@ -109,11 +53,11 @@ def actions(result: list[dict[str, Any]]) -> list[tuple[str, int | None]]:
 
 
 def test_expired_lease_goes_back_to_the_queue(conn):
-    lane(conn)
+    sync_lane(conn)
     enqueue(conn, "a")
     enqueue(conn, "a")
-    s = session(conn, "a")
-    expired, alive = claim(conn, s, 2)
+    s = open_session(conn, "a")
+    expired, alive = claim_exactly(conn, s, 2)
     expire(conn, expired["id"])
 
     result = reconcile(conn)
@@ -140,16 +84,16 @@ def test_expired_lease_goes_back_to_the_queue(conn):
     # the old token is fenced
     assert_fenced(conn, expired["id"], expired["lease_token"])
     # and the released task can be claimed again, by anyone
-    (again,) = claim(conn, session(conn, "a", host="h2"))
+    (again,) = claim_exactly(conn, open_session(conn, "a", host="h2"))
     assert again["id"] == expired["id"] and again["attempts"] == 2
     assert_fenced(conn, expired["id"], expired["lease_token"])
 
 
 def test_a_second_pass_repairs_nothing_more(conn):
-    lane(conn)
+    sync_lane(conn)
     enqueue(conn, "a")
-    s = session(conn, "a")
-    (t,) = claim(conn, s)
+    s = open_session(conn, "a")
+    (t,) = claim_exactly(conn, s)
     expire(conn, t["id"])
     assert actions(reconcile(conn)) == [("released", t["id"])]
     assert reconcile(conn) == []
@@ -158,13 +102,13 @@ def test_a_second_pass_repairs_nothing_more(conn):
 
 
 def test_expired_lease_at_the_attempt_cap_is_dead_and_keeps_last_error(conn):
-    lane(conn, max_attempts=2)
-    s = session(conn, "a")
+    sync_lane(conn, max_attempts=2, backoff_base_seconds=0)
+    s = open_session(conn, "a")
     tid = enqueue(conn, "a")
-    (first,) = claim(conn, s)
+    (first,) = claim_exactly(conn, s)
     assert one(conn, "select fleet.fail(%s, %s, 'boom: the tests fail')",
                (tid, first["lease_token"])) == "queued"
-    (second,) = claim(conn, s)
+    (second,) = claim_exactly(conn, s)
     expire(conn, tid)
 
     result = reconcile(conn)
@@ -183,11 +127,11 @@ def test_expired_lease_at_the_attempt_cap_is_dead_and_keeps_last_error(conn):
 
 
 def test_evaporations_alone_spend_the_cap(conn):
-    lane(conn, max_attempts=3)
+    sync_lane(conn, max_attempts=3)
     tid = enqueue(conn, "a")
     states = []
     for _ in range(3):
-        (t,) = claim(conn, session(conn, "a"))
+        (t,) = claim_exactly(conn, open_session(conn, "a"))
         expire(conn, tid)
         states.append(reconcile(conn)[0]["detail"]["state"])
     assert states == ["queued", "queued", "dead"]
@@ -196,9 +140,9 @@ def test_evaporations_alone_spend_the_cap(conn):
 
 
 def test_per_task_cap_overrides_the_lane(conn):
-    lane(conn, max_attempts=5)
+    sync_lane(conn, max_attempts=5)
     tid = enqueue(conn, "a", max_attempts=1)
-    claim(conn, session(conn, "a"))
+    claim_exactly(conn, open_session(conn, "a"))
     expire(conn, tid)
     assert reconcile(conn)[0]["detail"]["state"] == "dead"
     assert task(conn, tid)["dead_reason"] == "attempt-cap"
@@ -209,14 +153,14 @@ def test_per_task_cap_overrides_the_lane(conn):
 
 
 def test_stale_session_is_lost_and_all_its_tasks_released_at_once(conn):
-    lane(conn, lease_seconds=60)
-    lane(conn, "b", lease_seconds=60)
+    sync_lane(conn, lease_seconds=60)
+    sync_lane(conn, "b", lease_seconds=60)
     for _ in range(3):
         enqueue(conn, "a")
-    stale = session(conn, "a")
-    fine = session(conn, "a", host="h2")
-    held = claim(conn, stale, 2)
-    (kept,) = claim(conn, fine)
+    stale = open_session(conn, "a")
+    fine = open_session(conn, "a", host="h2")
+    held = claim_exactly(conn, stale, 2)
+    (kept,) = claim_exactly(conn, fine)
     # 61 s without a heartbeat; the leases were renewed long after (they have not expired)
     conn.execute("update fleet.sessions set heartbeat_at = now() - interval '61 seconds' where id = %s",
                  (stale,))
@@ -233,9 +177,9 @@ def test_stale_session_is_lost_and_all_its_tasks_released_at_once(conn):
     assert sorted(r["task_id"] for r in result[1:]) == ids
     assert all(r["action"] == "released" and r["detail"]["reason"] == "heartbeat-timeout" for r in result[1:])
     assert len(result) == 3
-    s = sess_row(conn, stale)
+    s = session_row(conn, stale)
     assert s["state"] == "lost" and s["end_reason"] == "heartbeat-timeout" and s["ended_at"] is not None
-    assert sess_row(conn, fine)["state"] == "active"
+    assert session_row(conn, fine)["state"] == "active"
     for t in held:
         row = task(conn, t["id"])
         assert (row["state"], row["evaporations"]) == ("queued", 1)
@@ -251,42 +195,25 @@ def test_stale_session_is_lost_and_all_its_tasks_released_at_once(conn):
 
 
 def test_session_timeout_overrides_the_lease(conn):
-    lane(conn, "slow", lease_seconds=60)  # timeout: the lease, 60 s
-    lane(conn, "fast", lease_seconds=60, session_timeout_seconds=10)
-    slow = session(conn, "slow")
-    fast_ok = session(conn, "fast")
-    fast_gone = session(conn, "fast", host="h2")
+    sync_lane(conn, "slow", lease_seconds=60)  # timeout: the lease, 60 s
+    sync_lane(conn, "fast", lease_seconds=60, session_timeout_seconds=10)
+    slow = open_session(conn, "slow")
+    fast_ok = open_session(conn, "fast")
+    fast_gone = open_session(conn, "fast", host="h2")
     for s, ago in ((slow, 30), (fast_ok, 5), (fast_gone, 11)):
         conn.execute("update fleet.sessions set heartbeat_at = now() - make_interval(secs => %s) "
                      "where id = %s", (ago, s))
     result = reconcile(conn)
     assert [(r["action"], r["session_id"]) for r in result] == [("session_lost", fast_gone)]
-    assert [sess_row(conn, s)["state"] for s in (slow, fast_ok, fast_gone)] == ["active", "active", "lost"]
-
-
-def test_declare_session_lost_directly(conn):
-    lane(conn)
-    s = session(conn, "a")
-    enqueue(conn, "a")
-    enqueue(conn, "a")
-    held = claim(conn, s, 2)
-    result = rows(conn, "select * from fleet.declare_session_lost(%s, 'pid-gone')", (s,))
-    assert [r["action"] for r in result] == ["session_lost", "released", "released"]
-    assert sess_row(conn, s)["end_reason"] == "pid-gone"
-    for t in held:
-        assert task(conn, t["id"])["state"] == "queued"
-        assert repaired_events(conn, t["id"])[0]["detail"]["reason"] == "pid-gone"
-    # a second declaration is a no-op (nothing active, nothing held)
-    assert rows(conn, "select * from fleet.declare_session_lost(%s, 'pid-gone')", (s,)) == []
-    assert len(events(conn, "session_lost")) == 1
+    assert [session_row(conn, s)["state"] for s in (slow, fast_ok, fast_gone)] == ["active", "active", "lost"]
 
 
 @pytest.mark.parametrize("late", ["heartbeat", "lease"])
 def test_a_heartbeat_that_commits_during_the_pass_keeps_its_session(db_url, conn, late):
-    lane(conn)
+    sync_lane(conn)
     enqueue(conn, "a")
-    s = session(conn, "a")
-    (t,) = claim(conn, s)
+    s = open_session(conn, "a")
+    (t,) = claim_exactly(conn, s)
     if late == "heartbeat":
         conn.execute("update fleet.sessions set heartbeat_at = now() - interval '1 hour'")
     else:
@@ -307,7 +234,7 @@ def test_a_heartbeat_that_commits_during_the_pass_keeps_its_session(db_url, conn
     th.join(10)
     assert not th.is_alive()
     assert result["rows"] == []
-    assert sess_row(conn, s)["state"] == "active"
+    assert session_row(conn, s)["state"] == "active"
     assert task(conn, t["id"])["state"] == "running"
     assert events(conn, "session_lost") == [] and repaired_events(conn, t["id"]) == []
     assert task(conn, t["id"])["lease_expires_at"] > one(conn, "select now() + interval '50 seconds'")
@@ -321,10 +248,10 @@ def test_a_heartbeat_that_commits_during_the_pass_keeps_its_session(db_url, conn
 
 
 def test_tasks_held_by_an_ended_session_are_released(conn):
-    lane(conn)
+    sync_lane(conn)
     enqueue(conn, "a")
-    s = session(conn, "a")
-    (t,) = claim(conn, s)
+    s = open_session(conn, "a")
+    (t,) = claim_exactly(conn, s)
     # an ended session that still holds a task (e.g. closed by hand, or an older close_session)
     conn.execute("update fleet.sessions set state = 'ended', ended_at = now(), end_reason = 'x' "
                  "where id = %s", (s,))
@@ -341,11 +268,11 @@ def test_tasks_held_by_an_ended_session_are_released(conn):
 
 
 def test_every_repair_writes_one_repaired_event_with_its_reason(conn):
-    lane(conn)
+    sync_lane(conn)
     for _ in range(3):
         enqueue(conn, "a")
-    s1, s2, s3 = (session(conn, "a", host=f"h{i}") for i in range(3))
-    (t1,), (t2,), (t3,) = claim(conn, s1), claim(conn, s2), claim(conn, s3)
+    s1, s2, s3 = (open_session(conn, "a", host=f"h{i}") for i in range(3))
+    (t1,), (t2,), (t3,) = claim_exactly(conn, s1), claim_exactly(conn, s2), claim_exactly(conn, s3)
     expire(conn, t1["id"])
     conn.execute("update fleet.sessions set heartbeat_at = now() - interval '1 hour' where id = %s", (s2,))
     conn.execute("update fleet.sessions set state = 'ended', ended_at = now() where id = %s", (s3,))
@@ -361,9 +288,9 @@ def test_every_repair_writes_one_repaired_event_with_its_reason(conn):
 
 
 def test_overdue_session_is_reported_once(conn):
-    lane(conn)
-    late = session(conn, "a")
-    within_grace = session(conn, "a", host="h2")
+    sync_lane(conn)
+    late = open_session(conn, "a", host="h1")
+    within_grace = open_session(conn, "a", host="h2")
     conn.execute("update fleet.sessions set deadline = now() - interval '2 minutes' where id = %s", (late,))
     conn.execute("update fleet.sessions set deadline = now() - interval '30 seconds' where id = %s",
                  (within_grace,))
@@ -377,7 +304,7 @@ def test_overdue_session_is_reported_once(conn):
     reconcile(conn, grace=60)
     assert len(events(conn, "session_overdue")) == 1
     # reported, not repaired: the session is still active
-    assert sess_row(conn, late)["state"] == "active"
+    assert session_row(conn, late)["state"] == "active"
 
 
 def _ready_since(conn: psycopg.Connection, lane_name: str, seconds: int) -> int:
@@ -385,9 +312,9 @@ def _ready_since(conn: psycopg.Connection, lane_name: str, seconds: int) -> int:
 
 
 def test_idle_capacity_is_reported_and_journalled_once_per_idle_period(conn):
-    lane(conn, "idle", max_running=2)
-    lane(conn, "young", max_running=2)
-    lane(conn, "later", max_running=2)
+    sync_lane(conn, "idle", max_running=2)
+    sync_lane(conn, "young", max_running=2)
+    sync_lane(conn, "later", max_running=2)
     _ready_since(conn, "idle", 400)
     _ready_since(conn, "idle", 350)
     _ready_since(conn, "young", 100)  # ready, but not for long
@@ -406,22 +333,22 @@ def test_idle_capacity_is_reported_and_journalled_once_per_idle_period(conn):
     assert len(events(conn, "idle_capacity", "idle")) == 1  # still the same idle period
 
     # an unlimited lane counts as having free slots
-    lane(conn, "unlimited")
+    sync_lane(conn, "unlimited")
     _ready_since(conn, "unlimited", 400)
     assert ("idle_capacity", "unlimited") in [(r["action"], r["lane"]) for r in reconcile(conn, idle=300)]
 
 
 @pytest.mark.parametrize("why", ["paused", "active-session", "slots-full", "no-slots"])
 def test_idle_capacity_not_reported(conn, why):
-    lane(conn, "other")
-    lane(conn, "x", max_running=0 if why == "no-slots" else 1, paused=(why == "paused"))
+    sync_lane(conn, "other")
+    sync_lane(conn, "x", max_running=0 if why == "no-slots" else 1, paused=(why == "paused"))
     _ready_since(conn, "x", 400)
     if why == "active-session":
-        session(conn, "x")
+        open_session(conn, "x")
     if why == "slots-full":
         # the lane's one slot is taken by a healthy running task (held, here, by a session of
         # another lane, so that no session of lane x is active)
-        s = session(conn, "other")
+        s = open_session(conn, "other")
         tid = _ready_since(conn, "x", 500)
         conn.execute("update fleet.tasks set state = 'running', lease_token = gen_random_uuid(), "
                      "lease_expires_at = now() + interval '1 minute', session_id = %s where id = %s",
@@ -442,10 +369,10 @@ def test_idle_capacity_not_reported(conn, why):
 
 
 def test_a_second_monitor_during_a_pass_skips_and_changes_nothing(db_url, conn):
-    lane(conn)
+    sync_lane(conn)
     enqueue(conn, "a")
-    s = session(conn, "a")
-    (t,) = claim(conn, s)
+    s = open_session(conn, "a")
+    (t,) = claim_exactly(conn, s)
     expire(conn, t["id"])
     conn.execute("update fleet.sessions set heartbeat_at = now() - interval '1 hour'")
     before = one(conn, "select count(*) from fleet.events")
@@ -471,16 +398,16 @@ def test_a_second_monitor_during_a_pass_skips_and_changes_nothing(db_url, conn):
 
 
 def test_concurrent_monitors_and_host_checks_repair_each_task_exactly_once(db_url, conn):
-    lane(conn, "a", max_attempts=10)
-    lane(conn, "b", max_attempts=10)
+    sync_lane(conn, "a", max_attempts=10)
+    sync_lane(conn, "b", max_attempts=10)
     sessions = []
     task_ids = []
     for i in range(12):
         ln = "ab"[i % 2]
         for _ in range(4):
             task_ids.append(enqueue(conn, ln))
-        s = session(conn, ln, host=f"h{i}")
-        claim(conn, s, 4)
+        s = open_session(conn, ln, host=f"h{i}")
+        claim_exactly(conn, s, 4)
         sessions.append(s)
     # every lease expired, half of the sessions stale too: several repair paths race for each task
     conn.execute("update fleet.tasks set lease_expires_at = now() - interval '5 seconds'")
@@ -533,10 +460,10 @@ def test_concurrent_monitors_and_host_checks_repair_each_task_exactly_once(db_ur
 
 
 def test_concurrent_monitors_over_expired_leases(db_url, conn):
-    lane(conn, max_attempts=10)
+    sync_lane(conn, max_attempts=10)
     ids = [enqueue(conn, "a") for _ in range(60)]
     for i in range(0, 60, 6):
-        claim(conn, session(conn, "a", host=f"h{i}"), 6)
+        claim_exactly(conn, open_session(conn, "a", host=f"h{i}"), 6)
     conn.execute("update fleet.tasks set lease_expires_at = now() - interval '1 second'")
     done = threading.Event()
     errors: list[BaseException] = []
@@ -569,162 +496,36 @@ def test_concurrent_monitors_over_expired_leases(db_url, conn):
 # cost follows the active work, not the history
 
 
-def plan_nodes(plan: Any) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    stack = [plan]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            if "Node Type" in node:
-                out.append(node)
-            stack.extend(v for v in node.values() if isinstance(v, list | dict))
-    return out
-
-
-def explain(conn: psycopg.Connection, query: str, params: Any = None) -> list[dict[str, Any]]:
-    (doc,) = conn.execute("explain (format json) " + query, params).fetchone()
-    return plan_nodes(doc)
-
-
-def scans_of(nodes: list[dict[str, Any]], table: str) -> list[tuple[str, str | None]]:
-    """(node type, index name) of every scan of ``table``; a bitmap heap scan counts once per
-    bitmap index scan under it."""
-    out: list[tuple[str, str | None]] = []
-    for n in nodes:
-        if n.get("Relation Name") != table:
-            continue
-        if n["Node Type"] == "Bitmap Heap Scan":
-            below = [m for m in plan_nodes(n.get("Plans", [])) if m["Node Type"] == "Bitmap Index Scan"]
-            out += [(n["Node Type"], m.get("Index Name")) for m in below] or [(n["Node Type"], None)]
-        else:
-            out.append((n["Node Type"], n.get("Index Name")))
-    return out
-
-
-def assert_index_only(conn: psycopg.Connection, query: str, table: str, allowed: set[str],
-                      params: Any = None) -> None:
-    nodes = explain(conn, query, params)
-    scans = scans_of(nodes, table)
-    assert scans, f"no scan of {table} in the plan of {query}"
-    for node_type, index in scans:
-        assert node_type != "Seq Scan", f"{query}\nseq scan of fleet.{table}: {scans}"
-        assert index in allowed, f"{query}\nscans fleet.{table} through {index}, not one of {allowed}"
-
-
-@pytest.fixture
-def history(conn):
-    make_history(conn)
-    return conn
-
-
-def make_history(conn: psycopg.Connection) -> None:
-    """A database with a long history (50,000 done tasks, 5,000 ended sessions, 20,000 events)
-    and a little active work: 4 lanes, 6 running tasks, 4 ready ones, 2 active sessions."""
-    for name in ("a", "b", "c", "d"):
-        lane(conn, name, max_running=8)
-    conn.execute("""
-        insert into fleet.sessions (lane, host, pid, started_at, heartbeat_at, deadline, ended_at,
-                                    end_reason, state)
-        select (array['a','b','c','d'])[1 + g % 4], 'old-host', 1000 + g,
-               now() - make_interval(hours => g % 5000), now() - make_interval(hours => g % 5000),
-               now() - make_interval(hours => g % 5000), now() - make_interval(hours => g % 5000),
-               'deadline', case when g % 10 = 0 then 'lost' else 'ended' end
-          from generate_series(1, 5000) g""")
-    conn.execute("""
-        insert into fleet.tasks (lane, key, state, attempts, created_at, updated_at, finished_at)
-        select (array['a','b','c','d'])[1 + g % 4], 'old:' || g, 'done', 1,
-               now() - make_interval(mins => g), now() - make_interval(mins => g),
-               now() - make_interval(mins => g)
-          from generate_series(1, 50000) g""")
-    conn.execute("""
-        insert into fleet.events (ts, kind, lane, task_id, session_id, detail)
-        select now() - make_interval(mins => g), (array['completed','claimed','repaired','idle_capacity'])[1 + g % 4],
-               (array['a','b','c','d'])[1 + g % 4], g, null, '{}'
-          from generate_series(1, 20000) g""")
-    for name in ("a", "b"):
-        for _ in range(5):
-            enqueue(conn, name)
-        claim(conn, session(conn, name), 3)
-    conn.execute("analyze")
-
-
-# the key statements of fleet.reconcile(), copied from the function
-STALE_SESSIONS = """
-    select s.id
-      from fleet.sessions s
-      join fleet.lanes l on l.name = s.lane
-     where s.state = 'active'
-       and s.heartbeat_at < now() - make_interval(secs => coalesce(l.session_timeout_seconds, l.lease_seconds))
-     order by s.id"""
-HELD_BY_ENDED = """
-    select t.id, t.lane, t.session_id, s.state as session_state
-      from fleet.tasks t
-      join fleet.sessions s on s.id = t.session_id
-     where t.state = 'running' and s.state <> 'active'
-     order by t.id"""
-EXPIRED = """
-    select t.id, t.lane, t.session_id
-      from fleet.tasks t
-     where t.state = 'running' and t.lease_expires_at < now()
-     order by t.lease_expires_at
-       for no key update skip locked"""
-OVERDUE = """
-    select s.id, s.lane, s.deadline, s.host, s.pid
-      from fleet.sessions s
-     where s.state = 'active'
-       and s.deadline < now() - make_interval(secs => 60)
-       and not exists (select 1 from fleet.events e
-                        where e.session_id = s.id and e.kind = 'session_overdue')"""
-IDLE = """
-    select l.name, ready.n, ready.oldest, coalesce(running.n, 0) as running, l.max_running
-      from fleet.lanes l
-      cross join lateral (
-            select count(*) as n, min(t.run_at) as oldest
-              from fleet.tasks t
-             where t.lane = l.name and t.state = 'queued' and t.run_at <= now()) ready
-      left join lateral (
-            select count(*) as n from fleet.tasks t where t.lane = l.name and t.state = 'running') running
-        on true
-     where not l.paused
-       and ready.n > 0
-       and ready.oldest < now() - make_interval(secs => 300)
-       and (l.max_running is null or coalesce(running.n, 0) < l.max_running)
-       and not exists (select 1 from fleet.sessions s where s.lane = l.name and s.state = 'active')
-     order by l.name"""
-SESSION_TASKS = "select t.id from fleet.tasks t where t.session_id = %s and t.state = 'running' order by t.id"
-# the claim's ready query and its running count (any partial index of running tasks will do:
-# the planner picks one of them by statistics sampled by ANALYZE)
-CLAIM_READY = """
-    select t.id, t.priority, t.resume, t.run_at
-      from fleet.tasks t
-     where t.lane = 'a' and t.state = 'queued' and t.run_at <= now()
-     order by t.priority desc, t.resume desc, t.run_at, t.id
-     limit 4
-       for update skip locked"""
-CLAIM_RUNNING = "select count(*) from fleet.tasks where lane = 'a' and state = 'running'"
-
-RUNNING = {"tasks_running_lease", "tasks_running_session", "tasks_running_lane"}
 ACTIVE_SESSIONS = {"sessions_active_heartbeat", "sessions_active_lane", "sessions_active_host"}
 
 
-def test_cost_follows_the_active_work_not_the_history(history):
-    conn = history
+def reconcile_statements(conn: psycopg.Connection) -> dict[str, str]:
+    """The statements of fleet.reconcile() (idle 300 s, grace 60 s) and the one of the
+    fleet.declare_session_lost() it calls for each lost session (its session a parameter), read
+    from the functions as the database runs them."""
+    stale, held, expired, overdue, idle = loop_queries(function_body(conn, "fleet.reconcile(int, int)"))
+    [session_tasks] = loop_queries(function_body(conn, "fleet.declare_session_lost(uuid, text)"))
+    return {"stale_sessions": stale, "held_by_ended": held, "expired": expired,
+            "overdue": bind(overdue, {"p_overdue_grace_seconds": "60"}),
+            "idle": bind(idle, {"p_idle_seconds": "300"}),
+            "session_tasks": bind(session_tasks, {"p_session": "%s"})}
+
+
+def test_cost_follows_the_active_work_not_the_history(long_history: psycopg.Connection) -> None:
+    conn = long_history
+    q = reconcile_statements(conn)
     # the monitor's statements read running tasks, ready tasks and active sessions by partial index
-    assert_index_only(conn, EXPIRED, "tasks", {"tasks_running_lease"})
-    assert_index_only(conn, HELD_BY_ENDED, "tasks", RUNNING)
-    assert_index_only(conn, SESSION_TASKS, "tasks", {"tasks_running_session"}, (uuid.uuid4(),))
-    assert_index_only(conn, IDLE, "tasks", {"tasks_ready"} | RUNNING)
-    ready_scans = {i for _, i in scans_of(explain(conn, IDLE), "tasks")}
+    assert_index_only(conn, q["expired"], "tasks", {"tasks_running_lease"})
+    assert_index_only(conn, q["held_by_ended"], "tasks", RUNNING_INDEXES)
+    assert_index_only(conn, q["session_tasks"], "tasks", {"tasks_running_session"}, (uuid.uuid4(),))
+    assert_index_only(conn, q["idle"], "tasks", {"tasks_ready"} | RUNNING_INDEXES)
+    ready_scans = {i for _, i in scans_of(explain(conn, q["idle"]), "tasks")}
     assert "tasks_ready" in ready_scans, ready_scans
-    assert_index_only(conn, STALE_SESSIONS, "sessions", ACTIVE_SESSIONS)
-    assert_index_only(conn, OVERDUE, "sessions", ACTIVE_SESSIONS)
-    assert_index_only(conn, OVERDUE, "events", {"events_session", "events_kind_ts"})
-    assert_index_only(conn, IDLE, "sessions", ACTIVE_SESSIONS)
-    # and so do the claim's ready query and its running count
-    assert_index_only(conn, CLAIM_READY, "tasks", {"tasks_ready"})
-    assert_index_only(conn, CLAIM_RUNNING, "tasks", RUNNING)
+    assert_index_only(conn, q["stale_sessions"], "sessions", ACTIVE_SESSIONS)
+    assert_index_only(conn, q["overdue"], "sessions", ACTIVE_SESSIONS)
+    assert_index_only(conn, q["overdue"], "events", {"events_session", "events_kind_ts"})
+    assert_index_only(conn, q["idle"], "sessions", ACTIVE_SESSIONS)
+    # (and so do the claim's ready query and its running count: tests/sql/test_claim.py)
 
     # the pass itself repairs the active work and nothing of the history
     expire(conn, *[r["id"] for r in rows(conn, "select id from fleet.tasks where lane = 'a' and state = 'running'")])

@@ -1,0 +1,92 @@
+"""The batches group (migrations/sources/11_batches.sql), called over psycopg: a batch member's agent is
+a run of its own task (closed, with the member's usage, following the member), recorded once, and a
+malformed usage report is refused. (Batches through real shifts and git, on both back-ends:
+tests/test_batches.py.)
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.types.json import Jsonb
+from sqlkit import (
+    call,
+    enqueue,
+    member_usage,
+    one,
+    open_session,
+    rows,
+    sync_lane,
+    take_lease,
+)
+
+# ------------------------------------------------------------------------------------------------
+# a member's agent is a run of its own task
+
+
+def test_a_members_agent_is_a_closed_run_of_its_own_task_that_follows_the_member(
+        conn: psycopg.Connection, batch_history: dict[str, Any]) -> None:
+    ids = batch_history["ids"]
+
+    def runs_of(key: str) -> list[dict[str, Any]]:
+        return rows(conn, "select * from fleet.runs where task_id = %s order by id", (ids[key],))
+
+    (b1,) = runs_of("b1")
+    assert (b1["outcome"], b1["gate"], b1["reason"], b1["exit_code"], b1["attempt"]) == ("done", "ok", None, 0, 1)
+    assert (b1["input_tokens"], b1["cache_read_tokens"], b1["cost_usd"]) == (200, 2000, Decimal("0.010000"))
+    assert b1["session_id"] == batch_history["session"] and b1["ended_at"] is not None and b1["model"] == "m-test"
+    b2_member, b2_alone = runs_of("b2")
+    assert (b2_member["outcome"], b2_member["gate"], b2_member["reason"]) == ("failed", "task-failed", "verify-failed")
+    assert b2_member["input_tokens"] == 300 and b2_alone["attempt"] == 2 and b2_alone["outcome"] == "done"
+    (b3,) = runs_of("b3")
+    assert (b3["outcome"], b3["reason"], b3["exit_code"], b3["input_tokens"]) == ("failed", "agent-failed", 1, 400)
+    # the member's agent session is kept for its next attempt; the member rows point at their runs
+    assert one(conn, "select agent_session from fleet.tasks where id = %s", (ids["b3"],)) == "s-400"
+    members = rows(conn, "select n, run_id, tokens from fleet.batch_members where batch_id = %s order by n",
+                   (batch_history["batch"],))
+    assert [m["run_id"] for m in members] == [b1["id"], b2_member["id"], b3["id"]]
+    assert [m["tokens"] for m in members] == [200 + 1 + 2000 + 2, 300 + 1 + 3000 + 2, 400 + 1 + 4000 + 2]
+    # the carrier's run spent nothing of theirs; no run is left open
+    (carrier,) = rows(conn, "select * from fleet.runs where task_id = %s", (batch_history["carrier"],))
+    assert carrier["outcome"] == "done" and carrier["input_tokens"] == 0 and carrier["cost_usd"] == 0
+    assert one(conn, "select count(*) from fleet.runs where ended_at is null") == 0
+
+
+def test_a_gate_re_reported_after_a_takeover_records_the_members_run_once(conn: psycopg.Connection) -> None:
+    sync_lane(conn, "code")
+    s = open_session(conn, "code")
+    enqueue(conn, "code", "m")
+    batch = call(conn, "batch_create", "code", ["m"], 4, None)
+    carrier = one(conn, "select task_id from fleet.batches where id = %s", (batch,))
+    ctok = take_lease(conn, s, carrier)
+    call(conn, "batch_setup", carrier, ctok, "main", f"batch/{batch}")
+    call(conn, "batch_member_start", carrier, ctok, 1, "b", "/w", "c0")
+    call(conn, "batch_member_gate", carrier, ctok, 1, "pending", None, member_usage(10))
+    call(conn, "batch_member_gate", carrier, ctok, 1, "pending", None, member_usage(10))
+    call(conn, "batch_member_gate", carrier, ctok, 1, "automation-broken", "the gate crashed", None)
+    (run,) = rows(conn, "select r.* from fleet.runs r join fleet.tasks t on t.id = r.task_id where t.key = 'm'")
+    assert (run["input_tokens"], run["outcome"], run["reason"]) == (10, "blocked", "automation-broken")
+    assert one(conn, "select tokens from fleet.batch_members where batch_id = %s", (batch,)) == 10 + 1 + 100 + 2
+
+
+@pytest.mark.parametrize("bad, names", [
+    ({"input_tokens": -1}, "input_tokens"), ({"output_tokens": 1.5}, "output_tokens"),
+    ({"cost_usd": "a lot"}, "cost_usd"), (["not", "an", "object"], "JSON object")])
+def test_a_malformed_member_usage_is_refused_and_changes_nothing(conn: psycopg.Connection, bad: Any,
+                                                                 names: str) -> None:
+    sync_lane(conn, "code")
+    s = open_session(conn, "code")
+    enqueue(conn, "code", "m")
+    batch = call(conn, "batch_create", "code", ["m"], 4, None)
+    carrier = one(conn, "select task_id from fleet.batches where id = %s", (batch,))
+    ctok = take_lease(conn, s, carrier)
+    call(conn, "batch_setup", carrier, ctok, "main", f"batch/{batch}")
+    call(conn, "batch_member_start", carrier, ctok, 1, "b", "/w", "c0")
+    with pytest.raises(psycopg.Error) as err:
+        one(conn, "select fleet.batch_member_gate(%s, %s, 1, 'pending', null, %s)", (carrier, ctok, Jsonb(bad)))
+    assert err.value.sqlstate == "LF005" and names in str(err.value)
+    assert one(conn, "select gate from fleet.batch_members where batch_id = %s", (batch,)) is None
+    assert one(conn, "select count(*) from fleet.runs r join fleet.tasks t on t.id = r.task_id where t.key = 'm'") == 0

@@ -1,0 +1,348 @@
+"""The enqueue group (migrations/sources/04_enqueue.sql): fleet.enqueue_task, fleet.enqueue,
+fleet.enqueue_after and fleet.enqueue_many, called over psycopg against a real, freshly migrated
+PostgreSQL: what a new task holds, idempotence on the key, every refusal (and that it writes
+nothing), and concurrent enqueues of one key.
+
+The bulk call must keep every guarantee of its single-task sibling, so most enqueue_many tests
+compare it with what enqueue_task does to a twin task.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.types.json import Jsonb
+from sqlkit import (
+    INVALID_ARGUMENT,
+    UNKNOWN_LANE,
+    add_lane,
+    claim,
+    count,
+    enqueue,
+    enqueue_many,
+    enqueue_task,
+    kinds,
+    last_event,
+    one,
+    open_session,
+    race,
+    refused,
+    rows,
+    task,
+    world,
+)
+
+# ------------------------------------------------------------------------------------------------
+# enqueue_task and enqueue
+
+
+def test_enqueue_creates_a_queued_task_and_an_event(conn, lane):
+    task_id, created = enqueue_task(
+        conn, lane, "issue:473", {"repo": "x", "n": 1}, priority=7, max_attempts=5, title="Fix it"
+    )
+    assert created is True
+    t = task(conn, task_id)
+    assert t["lane"] == "a"
+    assert t["key"] == "issue:473"
+    assert t["title"] == "Fix it"
+    assert t["payload"] == {"repo": "x", "n": 1}
+    assert t["priority"] == 7
+    assert t["max_attempts"] == 5
+    assert t["state"] == "queued"
+    assert (t["attempts"], t["failures"], t["evaporations"], t["handoffs"]) == (0, 0, 0, 0)
+    assert t["lease_token"] is None and t["session_id"] is None and t["finished_at"] is None
+    assert one(conn, "select run_at <= now() from fleet.tasks where id = %s", (task_id,))
+    assert kinds(conn, task_id) == ["enqueued"]
+    ev = last_event(conn, task_id)
+    assert ev["lane"] == "a"
+    assert ev["detail"]["key"] == "issue:473"
+    assert ev["detail"]["priority"] == 7
+
+
+def test_enqueue_wrapper_returns_the_id(conn, lane):
+    task_id = one(conn, "select fleet.enqueue('a', 'k1')")
+    assert task(conn, task_id)["key"] == "k1"
+    assert one(conn, "select fleet.enqueue('a', 'k1', '{\"other\": 1}')") == task_id
+    assert count(conn, "tasks") == 1
+
+
+def test_enqueue_is_idempotent_on_key(conn, lane):
+    first, created = enqueue_task(conn, lane, "issue:1", {"v": 1}, priority=3)
+    assert created is True
+    again, created_again = enqueue_task(conn, lane, "issue:1", {"v": 2}, priority=9)
+    assert again == first
+    assert created_again is False
+    t = task(conn, first)
+    assert t["payload"] == {"v": 1}, "the second enqueue must not overwrite the task"
+    assert t["priority"] == 3
+    assert count(conn, "tasks") == 1
+    assert kinds(conn, first) == ["enqueued"], "an idempotent repeat writes no event"
+
+
+def test_enqueue_defaults(conn, lane):
+    task_id = enqueue(conn, lane, "k")
+    t = task(conn, task_id)
+    assert t["payload"] == {}
+    assert t["priority"] == 0
+    assert t["max_attempts"] is None
+    assert t["title"] is None
+    assert t["carry_over"] is False
+    assert t["stages"] == []
+
+
+def test_enqueue_with_future_run_at(conn, lane):
+    task_id = enqueue(conn, lane, "later", run_at="2999-01-01T00:00:00Z")
+    assert one(
+        conn, "select run_at = '2999-01-01T00:00:00Z' from fleet.tasks where id = %s", (task_id,)
+    )
+
+
+def test_enqueue_accepts_bounds(conn, lane):
+    enqueue(conn, lane, "p0", priority=0)
+    enqueue(conn, lane, "p1000", priority=1000)
+    enqueue(conn, lane, "x" * 200)
+    enqueue(conn, lane, "cap1", max_attempts=1)
+    assert count(conn, "tasks") == 4
+
+
+def test_enqueue_unknown_lane_is_refused_and_writes_nothing(conn, lane):
+    with refused(UNKNOWN_LANE) as info:
+        enqueue_task(conn, "nope", "k")
+    assert "nope" in str(info.value)
+    assert count(conn, "tasks") == 0
+    assert count(conn, "events") == 0
+
+
+@pytest.mark.parametrize(
+    ("label", "kwargs"),
+    [
+        ("payload is an array", {"payload": [1, 2]}),
+        ("payload is a string", {"payload": "text"}),
+        ("payload is a number", {"payload": 3}),
+        ("priority below 0", {"priority": -1}),
+        ("priority above 1000", {"priority": 1001}),
+        ("priority null", {"priority": None}),
+        ("max_attempts 0", {"max_attempts": 0}),
+        ("max_attempts negative", {"max_attempts": -3}),
+        ("empty key", {"key": ""}),
+        ("null key", {"key": None}),
+        ("key of 201 characters", {"key": "k" * 201}),
+    ],
+)
+def test_enqueue_invalid_argument_is_refused_and_writes_nothing(conn, lane, label, kwargs):
+    args: dict[str, Any] = {"lane": lane, "key": "k"} | kwargs
+    with refused(INVALID_ARGUMENT):
+        enqueue_task(conn, **args)
+    assert count(conn, "tasks") == 0, label
+    assert count(conn, "events") == 0, label
+
+
+def test_enqueue_invalid_argument_for_an_existing_key_changes_nothing(conn, lane):
+    task_id = enqueue(conn, lane, "k", {"v": 1})
+    before = world(conn)
+    with refused(INVALID_ARGUMENT):
+        enqueue_task(conn, lane, "k", [1])
+    assert world(conn) == before
+    assert task(conn, task_id)["payload"] == {"v": 1}
+
+
+def test_enqueue_of_an_existing_key_in_another_lane_returns_the_existing_task(conn, lane):
+    # pinned as it is: the key is global, so the second lane's enqueue is a silent no-op
+    add_lane(conn, "b")
+    task_id = enqueue(conn, lane, "issue:9")
+    again, created = enqueue_task(conn, "b", "issue:9")
+    assert (again, created) == (task_id, False)
+    assert task(conn, task_id)["lane"] == "a"
+
+
+def test_concurrent_enqueue_of_one_key_creates_one_task(db_url: str) -> None:
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("insert into fleet.lanes (name) values ('a')")
+
+    def work(c: psycopg.Connection, i: int) -> tuple[int, bool]:
+        row = c.execute(
+            "select task_id, created from fleet.enqueue_task('a', 'same-key', %s)",
+            (Jsonb({"from": i}),),
+        ).fetchone()
+        assert row is not None
+        return row[0], row[1]
+
+    results = race(db_url, 8, work)
+    assert all(isinstance(r, tuple) for r in results), results
+    assert len({r[0] for r in results}) == 1
+    assert sorted(r[1] for r in results) == [False] * 7 + [True]
+    with psycopg.connect(db_url, autocommit=True) as c:
+        assert c.execute("select count(*) from fleet.tasks").fetchone() == (1,)
+        assert c.execute(
+            "select count(*) from fleet.events where kind = 'enqueued'"
+        ).fetchone() == (1,)
+
+
+# ------------------------------------------------------------------------------------------------
+# enqueue_many
+
+
+def test_enqueue_many_returns_every_element_in_input_order(lanes: psycopg.Connection) -> None:
+    conn = lanes
+    old, _ = enqueue_task(conn, "docs", "old")
+    got = enqueue_many(conn, "docs", [{"key": "z"}, {"key": "old"}, {"key": "a"}, {"key": "z"}, {"key": "m"}])
+    assert [(r["idx"], r["key"], r["created"]) for r in got] == [
+        (0, "z", True), (1, "old", False), (2, "a", True), (3, "z", False), (4, "m", True)]
+    ids = {r["key"]: r["id"] for r in got}
+    assert ids["old"] == old and got[3]["id"] == got[0]["id"]
+    # new tasks numbered in input order, not in key order (the insert runs in key order)
+    assert ids["z"] < ids["a"] < ids["m"]
+    # one journal row per new task, in input order, as enqueue_task writes it
+    events = rows(conn, "select task_id, lane, detail from fleet.events where kind = 'enqueued' and task_id <> %s"
+                        " order by id", (old,))
+    assert [e["task_id"] for e in events] == [ids["z"], ids["a"], ids["m"]]
+    assert events[0]["lane"] == "docs" and events[0]["detail"]["key"] == "z"
+    assert set(events[0]["detail"]) >= {"key", "priority", "run_at"}
+
+    # again: nothing new, the same ids, no event
+    before = count(conn, "events")
+    again = enqueue_many(conn, "docs", [{"key": "m"}, {"key": "z"}])
+    assert [(r["id"], r["created"]) for r in again] == [(ids["m"], False), (ids["z"], False)]
+    assert count(conn, "events") == before
+
+
+def test_a_batch_is_claimed_in_the_order_it_was_given(lanes: psycopg.Connection) -> None:
+    conn = lanes
+    keys = [f"k{c}" for c in "qwertyuiop"]  # not in key order
+    enqueue_many(conn, "docs", [{"key": k} for k in keys])
+    got = claim(conn, open_session(conn, "docs"), len(keys))
+    assert [t["key"] for t in got] == keys
+
+
+def test_enqueue_many_stores_what_enqueue_task_stores(lanes: psycopg.Connection) -> None:
+    conn = lanes
+    fields = {"payload": {"issue": 7}, "title": "seven", "priority": 9, "max_attempts": 4}
+    enqueue_many(conn, "docs", [
+        {"key": "bulk:1", **fields, "run_at": "2030-01-02T03:04:05Z"},
+        {"key": "bulk:2", "lane": "bugfix", "delay_seconds": 600},
+        {"key": "bulk:3", "payload": None, "title": None, "priority": None, "max_attempts": None, "lane": None},
+    ])
+    enqueue_task(conn, "docs", "one:1", fields["payload"], 9, "2030-01-02T03:04:05Z", 4, "seven")
+    enqueue_task(conn, "docs", "one:3", None, 0, None, None, None)
+    same = ("lane", "title", "payload", "priority", "run_at", "max_attempts", "state", "attempts", "carry_over")
+    for bulk, single in (("bulk:1", "one:1"), ("bulk:3", "one:3")):
+        b = rows(conn, "select * from fleet.tasks where key = %s", (bulk,))[0]
+        s = rows(conn, "select * from fleet.tasks where key = %s", (single,))[0]
+        for col in same:
+            if col == "run_at" and bulk == "bulk:3":
+                continue  # now() of two transactions
+            assert b[col] == s[col], (bulk, col, b[col], s[col])
+    delayed = one(conn, "select extract(epoch from run_at - now()) from fleet.tasks where key = 'bulk:2'")
+    assert 590 < delayed <= 600
+    assert one(conn, "select lane from fleet.tasks where key = 'bulk:2'") == "bugfix"
+    # p_lane may be NULL when every element names its lane
+    got = enqueue_many(conn, None, [{"key": "bulk:4", "lane": "bugfix"}])
+    assert got[0]["created"] and task(conn, got[0]["id"])["lane"] == "bugfix"
+
+
+def test_enqueue_many_takes_a_tier_a_profile_and_a_budget(lanes: psycopg.Connection) -> None:
+    """As enqueue_task takes them: stored on the task, tier and profile in the journal."""
+    conn = lanes
+    conn.execute("""update fleet.lanes set config = '{"tiers": ["small", "large"]}' where name = 'docs'""")
+    conn.execute("insert into fleet.profiles (name) values ('opus')")
+    fields = {"tier": "large", "profile": "opus", "max_cost_usd": 2.5, "max_tokens": 40000}
+    enqueue_many(conn, "docs", [{"key": "bulk:1", **fields}, {"key": "bulk:2"}])
+    conn.execute("select fleet.enqueue_task('docs', 'one:1', '{}', 0, now(), null, null, 'large', 'opus', 2.5, 40000)")
+    cols = "tier, profile, max_cost_usd, max_tokens"
+    bulk = rows(conn, f"select {cols} from fleet.tasks where key = 'bulk:1'")[0]
+    assert bulk == rows(conn, f"select {cols} from fleet.tasks where key = 'one:1'")[0]
+    assert (bulk["tier"], bulk["profile"], float(bulk["max_cost_usd"]), bulk["max_tokens"]) == (
+        "large", "opus", 2.5, 40000)
+    assert rows(conn, f"select {cols} from fleet.tasks where key = 'bulk:2'")[0] == dict.fromkeys(
+        ("tier", "profile", "max_cost_usd", "max_tokens"))
+    detail = one(conn, "select detail from fleet.events e join fleet.tasks t on t.id = e.task_id"
+                       " where t.key = 'bulk:1' and e.kind = 'enqueued'")
+    assert (detail["tier"], detail["profile"]) == ("large", "opus")
+    # the claim runs it at its tier, with its profile
+    [got] = claim(conn, open_session(conn, "docs"), 1)
+    assert (got["key"], got["tier"], got["run_profile"]) == ("bulk:1", "large", "opus")
+
+
+def test_an_existing_key_keeps_its_task(lanes: psycopg.Connection) -> None:
+    """As enqueue_task: the key's task is returned whatever lane or fields it is given now."""
+    conn = lanes
+    tid, _ = enqueue_task(conn, "bugfix", "shared", {"v": 1}, 3)
+    [got] = enqueue_many(conn, "docs", [{"key": "shared", "payload": {"v": 2}, "priority": 7}])
+    assert (got["id"], got["created"]) == (tid, False)
+    t = task(conn, tid)
+    assert (t["lane"], t["payload"], t["priority"]) == ("bugfix", {"v": 1}, 3)
+
+
+BAD = [
+    # element 2 of three: (label, element, p_lane, SQLSTATE, message after the "p_tasks[2] (key …): " prefix)
+    ("not an object", [1, 2], "docs", "LF005", "a task must be a JSON object, not a JSON array"),
+    ("no key", {"title": "x"}, "docs", "LF005", "a task needs a key"),
+    ("key not a string", {"key": 42}, "docs", "LF005", "a task needs a key"),
+    ("empty key", {"key": ""}, "docs", "LF005", "task key must be 1 to 200 characters"),
+    ("long key", {"key": "k" * 201}, "docs", "LF005", "task key must be 1 to 200 characters"),
+    ("unknown field", {"key": "bad", "prio": 5}, "docs", "LF005", "unknown field 'prio'"),
+    ("unknown lane", {"key": "bad", "lane": "nope"}, "docs", "LF002", "unknown lane 'nope'"),
+    ("lane not a string", {"key": "bad", "lane": 5}, "docs", "LF005", "lane must be a string"),
+    ("no lane", {"key": "bad"}, None, "LF005", "no lane"),
+    ("payload array", {"key": "bad", "payload": [1]}, "docs", "LF005", "payload must be a JSON object"),
+    ("title number", {"key": "bad", "title": 5}, "docs", "LF005", "title must be a string"),
+    ("priority too high", {"key": "bad", "priority": 1001}, "docs", "LF005", "priority must be an integer between 0 and 1000"),
+    ("priority negative", {"key": "bad", "priority": -1}, "docs", "LF005", "between 0 and 1000, not -1"),
+    ("priority fraction", {"key": "bad", "priority": 1.5}, "docs", "LF005", "between 0 and 1000, not 1.5"),
+    ("priority string", {"key": "bad", "priority": "5"}, "docs", "LF005", "not a JSON string"),
+    ("max_attempts zero", {"key": "bad", "max_attempts": 0}, "docs", "LF005", "max_attempts must be an integer of at least 1"),
+    ("max_attempts past int4", {"key": "bad", "max_attempts": 2**31}, "docs", "LF005", "max_attempts must be"),
+    ("run_at word", {"key": "bad", "run_at": "2030-13-45"}, "docs", "LF005", "run_at '2030-13-45' is not a timestamp"),
+    ("run_at number", {"key": "bad", "run_at": 5}, "docs", "LF005", "run_at must be a timestamp string"),
+    ("run_at and delay", {"key": "bad", "run_at": "2030-01-01T00:00:00Z", "delay_seconds": 5}, "docs", "LF005",
+     "give run_at or delay_seconds, not both"),
+    ("delay past the calendar", {"key": "bad", "delay_seconds": 1e300}, "docs", "LF005", "delay_seconds"),
+    ("tier number", {"key": "bad", "tier": 1}, "docs", "LF005", "tier must be a string, not a JSON number"),
+    ("unknown tier", {"key": "bad", "tier": "huge"}, "docs", "LF005", "lane docs has no tier 'huge'"),
+    ("profile number", {"key": "bad", "profile": 1}, "docs", "LF005", "profile must be a string"),
+    ("unknown profile", {"key": "bad", "profile": "nope"}, "docs", "LF005", "unknown profile 'nope'"),
+    ("max_cost_usd zero", {"key": "bad", "max_cost_usd": 0}, "docs", "LF005", "max_cost_usd must be at least"),
+    ("max_cost_usd huge", {"key": "bad", "max_cost_usd": 1e9}, "docs", "LF005", "below 100,000,000"),
+    # as numeric(14,6) stores them: rounded to 0, or up to 100,000,000
+    ("max_cost_usd rounds to 0", {"key": "bad", "max_cost_usd": 0.0000001}, "docs", "LF005", "at least 0.000001"),
+    ("max_cost_usd rounds up", {"key": "bad", "max_cost_usd": 99999999.9999999}, "docs", "LF005", "below 100,000,000"),
+    ("max_cost_usd string", {"key": "bad", "max_cost_usd": "5"}, "docs", "LF005", "max_cost_usd must be a number"),
+    ("max_tokens fraction", {"key": "bad", "max_tokens": 1.5}, "docs", "LF005", "max_tokens must be an integer of at least 1"),
+    ("max_tokens negative", {"key": "bad", "max_tokens": -5}, "docs", "LF005", "not -5"),
+    ("max_tokens string", {"key": "bad", "max_tokens": "5"}, "docs", "LF005", "max_tokens must be an integer, not a JSON string"),
+]
+
+
+@pytest.mark.parametrize(("label", "element", "lane", "code", "message"), BAD, ids=[b[0] for b in BAD])
+def test_one_bad_element_refuses_the_batch_naming_it(lanes: psycopg.Connection, label: str, element: Any,
+                                                     lane: str | None, code: str, message: str) -> None:
+    conn = lanes
+    enqueue_task(conn, "docs", "existing")
+    first = {"key": "good:0", "lane": "docs"}
+    before = (count(conn, "tasks"), count(conn, "events"))
+    with refused(code) as err:
+        enqueue_many(conn, lane, [first, {"key": "existing", "lane": "docs"}, element, {"key": "good:3", "lane": "docs"}])
+    text = str(err.value.diag.message_primary)
+    assert text.startswith("p_tasks[2]"), text
+    if isinstance(element, dict) and isinstance(element.get("key"), str) and element["key"]:
+        assert text.startswith(f"p_tasks[2] (key '{element['key'][:100]}'"), text
+    assert message in text, text
+    assert (count(conn, "tasks"), count(conn, "events")) == before
+    assert one(conn, "select count(*) from fleet.tasks where key like 'good:%'") == 0
+
+
+def test_the_first_bad_element_is_the_one_named(lanes: psycopg.Connection) -> None:
+    with refused("LF005") as err:
+        enqueue_many(lanes, "docs", [{"key": "a"}, {"key": "b", "priority": -1}, {"key": "c", "title": 1}])
+    assert str(err.value.diag.message_primary).startswith("p_tasks[1] (key 'b')")
+
+
+@pytest.mark.parametrize("tasks", [None, {"key": "a"}, "a", 5], ids=["null", "object", "string", "number"])
+def test_enqueue_many_takes_an_array(lanes: psycopg.Connection, tasks: Any) -> None:
+    with refused("LF005") as err:
+        enqueue_many(lanes, "docs", tasks)
+    assert "JSON array" in str(err.value)
+    assert enqueue_many(lanes, "docs", []) == []
+    assert count(lanes, "tasks") == 0

@@ -1,0 +1,754 @@
+"""The finish group (migrations/sources/08_finish.sql): how a run ends — fleet.complete,
+fleet.complete_many, fleet.fail, fleet.hand_off, fleet.route — and its run record, fleet.record_run;
+called over psycopg against a real, freshly migrated PostgreSQL. Every transition, every refusal,
+the events row each transition writes, and the races a finishing call must win or lose cleanly.
+(fleet.block and fleet.throttle are exercised through real shifts: tests/test_dispatch.py,
+tests/test_guardrails.py; the fence of these calls: tests/sql/test_lease.py.)
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.types.json import Jsonb
+from sqlkit import (
+    INVALID_ARGUMENT,
+    LEASE_LOST,
+    ROUTE_REFUSED,
+    UNKNOWN_LANE,
+    UNKNOWN_TASK,
+    add_lane,
+    checkpoint,
+    claim,
+    claim_one,
+    complete,
+    complete_many,
+    enqueue,
+    fail,
+    hand_off,
+    kinds,
+    last_event,
+    one,
+    open_session,
+    race,
+    record_run,
+    refused,
+    release,
+    route,
+    rows,
+    running_tasks,
+    runs,
+    seconds_between,
+    task,
+    wait_until_waiting,
+    world,
+)
+
+# ------------------------------------------------------------------------------------------------
+# complete
+
+
+def test_complete(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    assert complete(conn, task_id, t["lease_token"], {"pr": 12}) == "done"
+    after = task(conn, task_id)
+    assert after["state"] == "done"
+    assert after["result"] == {"pr": 12}
+    assert after["finished_at"] is not None
+    assert after["lease_token"] is None
+    assert after["lease_expires_at"] is None
+    assert after["session_id"] is None
+    [run] = runs(conn, task_id)
+    assert run["outcome"] == "done" and run["ended_at"] is not None
+    assert kinds(conn, task_id) == ["enqueued", "claimed", "completed"]
+    ev = last_event(conn, task_id)
+    assert ev["session_id"] == session and ev["detail"] == {"attempt": 1, "state": "done"}
+
+
+def test_complete_twice_is_lease_lost(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    complete(conn, task_id, t["lease_token"])
+    before = world(conn)
+    with refused(LEASE_LOST):
+        complete(conn, task_id, t["lease_token"])
+    assert world(conn) == before
+
+
+def test_complete_racing_cancel_has_one_winner(db_url: str) -> None:
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("insert into fleet.lanes (name) values ('a')")
+        c.execute("select fleet.enqueue('a', 'k' || g) from generate_series(1, 20) g")
+        sid = open_session(c, "a", "h", 1)
+        leases = c.execute("select id, lease_token from fleet.claim(%s, 20)", (sid,)).fetchall()
+    assert len(leases) == 20
+
+    def work(c: psycopg.Connection, i: int) -> list[str]:
+        got = []
+        for task_id, token in leases:
+            try:
+                if i == 0:
+                    row = c.execute("select fleet.complete(%s, %s)", (task_id, token)).fetchone()
+                else:
+                    row = c.execute("select fleet.cancel(%s)", (task_id,)).fetchone()
+                assert row is not None
+                got.append(row[0])
+            except psycopg.Error as exc:
+                got.append(str(exc.sqlstate))
+        return got
+
+    completer, canceller = race(db_url, 2, work)
+    for (task_id, _), done, cancelled in zip(leases, completer, canceller, strict=True):
+        # complete first: cancel is refused (LF004); cancel first: complete has lost its lease
+        assert (done, cancelled) in {("done", "LF004"), ("LF001", "cancelled")}, (
+            task_id,
+            done,
+            cancelled,
+        )
+    with psycopg.connect(db_url, autocommit=True) as c:
+        assert c.execute(
+            "select count(*) from fleet.runs where outcome is null or ended_at is null"
+        ).fetchone() == (0,)
+
+
+# ------------------------------------------------------------------------------------------------
+# complete_many: every guarantee of complete, for a batch
+
+
+def test_a_stale_token_in_the_middle_of_a_batch(lanes: psycopg.Connection) -> None:
+    conn = lanes
+    s, got = running_tasks(conn, "docs", 3)
+    a, b, c = got
+    stale = uuid.uuid4()
+    statuses = complete_many(conn, [c["id"], b["id"], a["id"]], [c["lease_token"], stale, a["lease_token"]],
+                             [{"n": 3}, {"n": 2}, None])
+    assert statuses == [(c["id"], "done"), (b["id"], "lost"), (a["id"], "done")]  # input order
+
+    kept = task(conn, b["id"])  # untouched: still running under its own lease, its run open
+    assert (kept["state"], kept["lease_token"], kept["session_id"], kept["result"]) == (
+        "running", b["lease_token"], s, None)
+    assert [(r["outcome"], r["ended_at"]) for r in rows(conn, "select * from fleet.runs where task_id = %s",
+                                                       (b["id"],))] == [(None, None)]
+    assert one(conn, "select count(*) from fleet.events where task_id = %s and kind = 'completed'", (b["id"],)) == 0
+
+    for t, result in ((a, None), (c, {"n": 3})):
+        done = task(conn, t["id"])
+        assert (done["state"], done["result"], done["lease_token"], done["lease_expires_at"], done["session_id"]) == (
+            "done", result, None, None, None)
+        assert done["finished_at"] is not None
+        [run] = rows(conn, "select * from fleet.runs where task_id = %s", (t["id"],))
+        assert run["outcome"] == "done" and run["ended_at"] is not None
+        [ev] = rows(conn, "select * from fleet.events where task_id = %s and kind = 'completed'", (t["id"],))
+        assert (ev["lane"], ev["session_id"], ev["detail"]) == ("docs", s, {"attempt": 1, "state": "done"})
+
+    # the lost one can still be completed by its holder
+    assert complete(conn, b["id"], b["lease_token"]) == "done"
+
+
+def test_complete_many_does_what_complete_does(lanes: psycopg.Connection) -> None:
+    conn = lanes
+    _, (one_by_one, bulk) = running_tasks(conn, "docs", 2)
+    complete(conn, one_by_one["id"], one_by_one["lease_token"], {"ok": True})
+    complete_many(conn, [bulk["id"]], [bulk["lease_token"]], [{"ok": True}])
+    cols = ("state", "result", "lease_token", "lease_expires_at", "session_id", "attempts", "failures")
+    assert {c: task(conn, bulk["id"])[c] for c in cols} == {c: task(conn, one_by_one["id"])[c] for c in cols}
+    ev = "select kind, lane, session_id, detail from fleet.events where task_id = %s and kind <> 'enqueued' order by id"
+    assert rows(conn, ev, (bulk["id"],)) == rows(conn, ev, (one_by_one["id"],))
+    run = "select outcome, attempt, ended_at is not null as ended from fleet.runs where task_id = %s"
+    assert rows(conn, run, (bulk["id"],)) == rows(conn, run, (one_by_one["id"],))
+
+
+def test_a_batch_over_two_lanes_goes_to_review_where_its_lane_requires_one(lanes: psycopg.Connection) -> None:
+    conn = lanes
+    conn.execute("update fleet.lanes set config = '{\"review\": true}' where name = 'bugfix'")
+    _, [d1, d2] = running_tasks(conn, "docs", 2)
+    _, [b1] = running_tasks(conn, "bugfix", 1)
+    assert complete_many(conn, [d2["id"], b1["id"], d1["id"]],
+                         [d2["lease_token"], b1["lease_token"], d1["lease_token"]]) == [
+        (d2["id"], "done"), (b1["id"], "review"), (d1["id"], "done")]
+    assert [(r["id"], r["state"], r["finished_at"] is not None) for r in rows(
+        conn, "select id, state, finished_at from fleet.tasks where id = any(%s) order by id",
+        ([d1["id"], d2["id"], b1["id"]],))] == sorted(
+        [(d1["id"], "done", True), (d2["id"], "done", True), (b1["id"], "review", False)])
+    assert sorted((r["task_id"], r["lane"], r["detail"]["state"]) for r in rows(
+        conn, "select task_id, lane, detail from fleet.events where kind = 'completed'")) == sorted(
+        [(d1["id"], "docs", "done"), (d2["id"], "docs", "done"), (b1["id"], "bugfix", "review")])
+
+
+def test_a_repaired_and_reclaimed_task_is_lost_to_its_old_token(lanes: psycopg.Connection) -> None:
+    """The zombie case: the monitor released the task, another shift claimed it; the old shift's
+    batch must not complete it under the new holder."""
+    conn = lanes
+    _, [old] = running_tasks(conn, "docs", 1)
+    one(conn, "select fleet._release(%s, 'test')", (old["id"],))
+    [new] = claim(conn, open_session(conn, "docs", host="host-2"), 1)
+    assert new["id"] == old["id"]
+    assert complete_many(conn, [old["id"]], [old["lease_token"]]) == [(old["id"], "lost")]
+    t = task(conn, new["id"])
+    assert (t["state"], t["lease_token"]) == ("running", new["lease_token"])
+    assert [r["outcome"] for r in rows(conn, "select outcome from fleet.runs where task_id = %s order by id",
+                                       (old["id"],))] == ["lost", None]
+
+
+def test_finished_and_unknown_tasks(lanes: psycopg.Connection) -> None:
+    conn = lanes
+    _, [t] = running_tasks(conn, "docs", 1)
+    assert complete_many(conn, [t["id"], 999999], [t["lease_token"], uuid.uuid4()]) == [
+        (t["id"], "done"), (999999, "unknown")]
+    # done already: its token no longer holds it (as complete says "lease lost")
+    assert complete_many(conn, [t["id"]], [t["lease_token"]]) == [(t["id"], "lost")]
+    assert complete_many(conn, [], []) == []
+    assert complete_many(conn, [t["id"]], [None]) == [(t["id"], "lost")]
+
+
+@pytest.mark.parametrize(("tasks", "tokens", "results", "message"), [
+    ("ab", "a", None, "p_tasks has 2 elements, p_tokens 1"),
+    ("a", "ab", None, "p_tasks has 1 elements, p_tokens 2"),
+    ("ab", "ab", [None], "p_results 1"),
+    ("aa", "ab", None, "is named twice"),
+    ("a-", "ab", None, "p_tasks[1] is NULL"),
+    (None, "a", None, "needs p_tasks and p_tokens"),
+    ("a", None, None, "needs p_tasks and p_tokens"),
+], ids=["fewer tokens", "more tokens", "fewer results", "twice", "null task", "no tasks", "no tokens"])
+def test_malformed_batches_change_nothing(lanes: psycopg.Connection, tasks: str | None, tokens: str | None,
+                                          results: list[Any] | None, message: str) -> None:
+    conn = lanes
+    _, (a, b) = running_tasks(conn, "docs", 2)
+    by = {"a": a, "b": b}
+    ids = None if tasks is None else [None if c == "-" else by[c]["id"] for c in tasks]
+    toks = None if tokens is None else [by[c]["lease_token"] for c in tokens]
+    before = rows(conn, "select id, state, lease_token from fleet.tasks order by id")
+    with refused("LF005") as err:
+        complete_many(conn, ids, toks, results)
+    assert message in str(err.value), str(err.value)
+    assert rows(conn, "select id, state, lease_token from fleet.tasks order by id") == before
+    assert one(conn, "select count(*) from fleet.runs where ended_at is not null") == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# fail
+
+
+def test_fail_requeues_with_backoff(conn, session):
+    conn.execute(
+        "update fleet.lanes set backoff_base_seconds = 10, backoff_max_seconds = 35, max_attempts = 9"
+    )
+    task_id = enqueue(conn, "a", "k")
+    delays = []
+    for attempt in range(1, 5):
+        conn.execute(
+            "update fleet.tasks set run_at = now() - interval '1 s' where id = %s", (task_id,)
+        )
+        t = claim_one(conn, session)
+        assert t["attempts"] == attempt
+        assert fail(conn, task_id, t["lease_token"], f"error {attempt}") == "queued"
+        after = task(conn, task_id)
+        assert after["state"] == "queued"
+        assert after["failures"] == attempt
+        assert after["last_error"] == f"error {attempt}"
+        assert after["lease_token"] is None and after["session_id"] is None
+        assert after["finished_at"] is None
+        delays.append(seconds_between(conn, task_id, "run_at", "updated_at"))
+        assert one(conn, "select run_at > now() from fleet.tasks where id = %s", (task_id,))
+        assert claim(conn, session) == [], "a task in backoff is not claimable"
+    assert delays == [10, 20, 35, 35]  # base * 2^(failures-1), capped at backoff_max
+    outcomes = [(r["outcome"], r["error_tail"]) for r in runs(conn, task_id)]
+    assert outcomes == [("failed", f"error {i}") for i in range(1, 5)]
+    assert kinds(conn, task_id).count("failed") == 4
+    ev = last_event(conn, task_id)
+    assert ev["kind"] == "failed"
+    assert ev["detail"]["state"] == "queued" and ev["detail"]["retryable"] is True
+    assert ev["detail"]["error"] == "error 4"
+
+
+def test_fail_at_the_attempt_cap_is_dead(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")  # lane cap: 3
+    for attempt in range(1, 4):
+        conn.execute("update fleet.tasks set run_at = now() - interval '1 s'")
+        t = claim_one(conn, session)
+        state = fail(conn, task_id, t["lease_token"], f"e{attempt}")
+        assert state == ("dead" if attempt == 3 else "queued")
+    after = task(conn, task_id)
+    assert after["state"] == "dead"
+    assert after["dead_reason"] == "attempt-cap"
+    assert after["failures"] == 3
+    assert after["finished_at"] is not None
+    assert after["lease_token"] is None
+    assert after["last_error"] == "e3"
+    conn.execute("update fleet.tasks set run_at = now() - interval '1 s'")
+    assert claim(conn, session) == []
+    ev = last_event(conn, task_id)
+    assert ev["detail"]["state"] == "dead" and ev["detail"]["reason"] == "attempt-cap"
+
+
+def test_fail_cap_counts_evaporations(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    for _ in range(2):
+        claim_one(conn, session)
+        assert release(conn, task_id) == "queued"
+    t = claim_one(conn, session)
+    assert fail(conn, task_id, t["lease_token"]) == "dead"
+    after = task(conn, task_id)
+    assert (after["failures"], after["evaporations"], after["dead_reason"]) == (1, 2, "attempt-cap")
+
+
+def test_fail_not_retryable_is_dead_at_once(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    assert fail(conn, task_id, t["lease_token"], "bad input", retryable=False) == "dead"
+    after = task(conn, task_id)
+    assert after["state"] == "dead"
+    assert after["dead_reason"] == "fatal"
+    assert after["failures"] == 1
+    assert after["last_error"] == "bad input"
+    assert runs(conn, task_id)[0]["outcome"] == "failed"
+    ev = last_event(conn, task_id)
+    assert ev["kind"] == "failed"
+    assert ev["detail"]["retryable"] is False and ev["detail"]["reason"] == "fatal"
+
+
+def test_fail_per_task_max_attempts_overrides_the_lane(conn, lane, session):
+    one_shot = enqueue(conn, lane, "one", max_attempts=1)
+    t = claim_one(conn, session)
+    assert t["id"] == one_shot
+    assert fail(conn, one_shot, t["lease_token"]) == "dead"
+    assert task(conn, one_shot)["dead_reason"] == "attempt-cap"
+
+    patient = enqueue(conn, lane, "patient", max_attempts=5)
+    for _ in range(4):
+        conn.execute(
+            "update fleet.tasks set run_at = now() - interval '1 s' where id = %s", (patient,)
+        )
+        t = claim_one(conn, session)
+        assert fail(conn, patient, t["lease_token"]) == "queued", (
+            "the lane's cap of 3 does not apply"
+        )
+    conn.execute("update fleet.tasks set run_at = now() - interval '1 s' where id = %s", (patient,))
+    t = claim_one(conn, session)
+    assert fail(conn, patient, t["lease_token"]) == "dead"
+    assert task(conn, patient)["failures"] == 5
+
+
+def test_fail_keeps_a_long_error_whole_on_the_task_and_bounded_elsewhere(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    error = "x" * 10_000
+    fail(conn, task_id, t["lease_token"], error)
+    assert task(conn, task_id)["last_error"] == error
+    assert len(runs(conn, task_id)[0]["error_tail"]) == 4000
+    assert len(last_event(conn, task_id)["detail"]["error"]) == 1000
+
+
+# ------------------------------------------------------------------------------------------------
+# hand_off
+
+
+def test_hand_off_requeues_without_spending_an_attempt(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    checkpoint(conn, task_id, t["lease_token"], {"step": 3})
+    snap = {"agent_session": "agent-abc", "summary": "half way"}
+    assert hand_off(conn, task_id, t["lease_token"], snap) == "queued"
+    after = task(conn, task_id)
+    assert after["state"] == "queued"
+    assert after["handoffs"] == 1
+    assert (after["failures"], after["evaporations"]) == (0, 0)
+    assert after["handoff"] == snap
+    assert after["agent_session"] == "agent-abc"
+    assert after["checkpoint"] == {"step": 3}, "the checkpoint is kept for the next shift"
+    assert after["carry_over"] is True
+    assert after["lease_token"] is None and after["session_id"] is None
+    assert after["finished_at"] is None
+    assert runs(conn, task_id)[0]["outcome"] == "handed_off"
+    assert kinds(conn, task_id) == ["enqueued", "claimed", "checkpoint", "handed_off"]
+    assert last_event(conn, task_id)["detail"] == {"attempt": 1, "handoffs": 1, "state": "queued"}
+
+
+def test_hand_off_does_not_count_against_the_attempt_cap(conn, lane):
+    conn.execute("update fleet.lanes set max_attempts = 1, max_handoffs = 5")
+    task_id = enqueue(conn, "a", "k")
+    for _ in range(5):
+        t = claim_one(conn, open_session(conn, lane))  # a hand-off is for the next shift
+        assert hand_off(conn, task_id, t["lease_token"], {}) == "queued"
+    after = task(conn, task_id)
+    assert after["state"] == "queued" and after["handoffs"] == 5 and after["attempts"] == 5
+
+
+def test_hand_off_is_claimed_before_older_tasks_of_the_same_priority(conn, lane, session):
+    handed = enqueue(conn, lane, "handed")
+    t = claim_one(conn, session)
+    older = [enqueue(conn, lane, f"old{i}", run_at="2000-01-01T00:00:00Z") for i in range(3)]
+    higher = enqueue(conn, lane, "higher", priority=1, run_at="2030-01-01T00:00:00Z")
+    conn.execute("update fleet.tasks set run_at = now() - interval '1 s' where id = %s", (higher,))
+    hand_off(conn, handed, t["lease_token"], {})
+    next_shift = open_session(conn, lane)
+    order = [claim_one(conn, next_shift)["id"] for _ in range(5)]
+    assert order == [higher, handed, *older], "higher priority first, then the resumed task"
+    assert task(conn, handed)["carry_over"] is False
+
+
+def test_hand_off_agent_session_is_kept_when_the_snapshot_has_none(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    hand_off(conn, task_id, t["lease_token"], {"agent_session": "s1"})
+    t = claim_one(conn, session := open_session(conn, lane))
+    hand_off(conn, task_id, t["lease_token"], {"notes": "no session this time"})
+    after = task(conn, task_id)
+    assert after["agent_session"] == "s1"
+    assert after["handoff"] == {"notes": "no session this time"}
+    t = claim_one(conn, session := open_session(conn, lane))
+    hand_off(conn, task_id, t["lease_token"], None)
+    assert task(conn, task_id)["handoff"] == {}
+
+
+def test_hand_off_beyond_max_handoffs_is_dead(conn, session):
+    conn.execute("update fleet.lanes set max_handoffs = 2")
+    task_id = enqueue(conn, "a", "k")
+    states = []
+    for _ in range(3):
+        t = claim_one(conn, open_session(conn, "a"))  # a hand-off is for the next shift
+        states.append(hand_off(conn, task_id, t["lease_token"], {"n": len(states)}))
+    assert states == ["queued", "queued", "dead"]
+    after = task(conn, task_id)
+    assert after["state"] == "dead"
+    assert after["dead_reason"] == "handoff-cap"
+    assert after["handoffs"] == 3
+    assert after["carry_over"] is False
+    assert after["finished_at"] is not None
+    assert claim(conn, session) == []
+    assert last_event(conn, task_id)["detail"]["state"] == "dead"
+
+
+def test_hand_off_with_max_handoffs_zero_is_dead_at_once(conn, session):
+    conn.execute("update fleet.lanes set max_handoffs = 0")
+    task_id = enqueue(conn, "a", "k")
+    t = claim_one(conn, session)
+    assert hand_off(conn, task_id, t["lease_token"], {}) == "dead"
+    assert task(conn, task_id)["dead_reason"] == "handoff-cap"
+
+
+@pytest.mark.parametrize("snapshot", [[1], "text", 5])
+def test_hand_off_snapshot_must_be_an_object(conn, lane, session, snapshot):
+    enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    before = world(conn)
+    with refused(INVALID_ARGUMENT):
+        hand_off(conn, t["id"], t["lease_token"], snapshot)
+    assert world(conn) == before
+
+
+# ------------------------------------------------------------------------------------------------
+# route
+
+
+def test_route_to_another_lane_starts_fresh_and_keeps_history(conn, lane, session):
+    add_lane(conn, "review")
+    task_id = enqueue(conn, lane, "k", {"repo": "r"}, priority=4)
+    # a first attempt that evaporated, a second that failed, a third that handed off
+    claim_one(conn, session)
+    release(conn, task_id)
+    t = claim_one(conn, session)
+    fail(conn, task_id, t["lease_token"])
+    conn.execute("update fleet.tasks set run_at = now() - interval '1 s'")
+    t = claim_one(conn, session)
+    hand_off(conn, task_id, t["lease_token"], {"agent_session": "ag-1"})
+    t = claim_one(conn, session := open_session(conn, lane))
+    checkpoint(conn, task_id, t["lease_token"], {"stage": "triaged"})
+    assert route(conn, task_id, t["lease_token"], "review", {"why": "ready"}) == "queued"
+
+    after = task(conn, task_id)
+    assert after["lane"] == "review"
+    assert after["state"] == "queued"
+    assert after["key"] == "k" and after["payload"] == {"repo": "r"} and after["priority"] == 4
+    assert (after["attempts"], after["failures"], after["evaporations"], after["handoffs"]) == (
+        0,
+        0,
+        0,
+        0,
+    )
+    assert after["checkpoint"] is None and after["checkpoint_seq"] == 0
+    assert after["agent_session"] is None and after["handoff"] is None
+    assert after["last_error"] is None
+    assert after["carry_over"] is False
+    assert after["lease_token"] is None and after["session_id"] is None
+    [stage] = after["stages"]
+    assert stage["lane"] == "a"
+    assert stage["routed_to"] == "review"
+    assert (stage["attempts"], stage["failures"], stage["evaporations"], stage["handoffs"]) == (
+        4,
+        1,
+        1,
+        1,
+    )
+    assert stage["agent_session"] == "ag-1"
+    assert stage["checkpoint"] == {"stage": "triaged"}
+    assert stage["note"] == {"why": "ready"}
+    assert stage["finished_at"]
+    assert runs(conn, task_id)[-1]["outcome"] == "routed"
+    assert kinds(conn, task_id)[-2:] == ["checkpoint", "routed"]
+    assert last_event(conn, task_id)["detail"] == {
+        "from": "a",
+        "to": "review",
+        "note": {"why": "ready"},
+    }
+
+    # the next lane claims it as its own attempt 1; a second route appends to the history
+    review = open_session(conn, "review")
+    assert claim(conn, session) == []
+    t = claim_one(conn, review)
+    assert t["attempts"] == 1
+    assert route(conn, task_id, t["lease_token"], "a") == "queued"
+    stages = task(conn, task_id)["stages"]
+    assert [(s["lane"], s["routed_to"], s["attempts"]) for s in stages] == [
+        ("a", "review", 4),
+        ("review", "a", 1),
+    ]
+    assert stages[1]["note"] is None
+
+
+def test_route_unknown_lane_is_refused(conn, lane, session):
+    enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    before = world(conn)
+    with refused(UNKNOWN_LANE):
+        route(conn, t["id"], t["lease_token"], "nope")
+    with refused(UNKNOWN_LANE):
+        route(conn, t["id"], t["lease_token"], None)
+    assert world(conn) == before
+
+
+def test_route_to_the_same_lane_is_refused(conn, lane, session):
+    enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    before = world(conn)
+    with refused(INVALID_ARGUMENT):
+        route(conn, t["id"], t["lease_token"], "a")
+    assert world(conn) == before
+
+
+def test_route_refused_by_accepts_from_changes_nothing(conn, lane, session):
+    add_lane(conn, "review", accepts_from=["implement"])
+    add_lane(conn, "closed", accepts_from=[])
+    add_lane(conn, "implement")
+    enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    before = world(conn)
+    with refused(ROUTE_REFUSED) as info:
+        route(conn, t["id"], t["lease_token"], "review")
+    assert "implement" in str(info.value.diag.message_hint)
+    with refused(ROUTE_REFUSED):
+        route(conn, t["id"], t["lease_token"], "closed")
+    assert world(conn) == before
+    # the lease is intact: routing to a lane that accepts it still works
+    assert route(conn, t["id"], t["lease_token"], "implement") == "queued"
+
+
+def test_route_accepted_by_accepts_from(conn, lane, session):
+    add_lane(conn, "review", accepts_from=["x", "a"])
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    assert route(conn, task_id, t["lease_token"], "review") == "queued"
+    assert task(conn, task_id)["lane"] == "review"
+
+
+# ------------------------------------------------------------------------------------------------
+# record_run
+
+
+TOKENS = {
+    "exit_code": 0,
+    "tier": "large",
+    "model": "claude-x",
+    "agent_session": "ag-9",
+    "input_tokens": 1200,
+    "cache_creation_tokens": 300,
+    "cache_read_tokens": 45000,
+    "output_tokens": 800,
+    "cost_usd": 0.4321,
+    "log_path": "/logs/1.log",
+    "error_tail": "warning: something",
+}
+
+
+def test_record_run_records_tokens_and_cost(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    record_run(conn, t["lease_token"], TOKENS)
+    [run] = runs(conn, task_id)
+    for field, value in TOKENS.items():
+        if field == "cost_usd":
+            assert float(run[field]) == value
+        else:
+            assert run[field] == value, field
+    assert task(conn, task_id)["agent_session"] == "ag-9"
+    assert run["ended_at"] is None, "recording a run does not end it"
+    assert task(conn, task_id)["state"] == "running"
+
+
+def test_record_run_merges_partial_reports(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    record_run(conn, t["lease_token"], {"model": "m1", "input_tokens": 10})
+    record_run(conn, t["lease_token"], {"output_tokens": 5})
+    [run] = runs(conn, task_id)
+    assert (run["model"], run["input_tokens"], run["output_tokens"]) == ("m1", 10, 5)
+
+
+def test_record_run_is_allowed_after_the_lease_is_gone(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    complete(conn, task_id, t["lease_token"])
+    record_run(conn, t["lease_token"], {"input_tokens": 7, "cost_usd": 1.5, "exit_code": 0})
+    [run] = runs(conn, task_id)
+    assert run["input_tokens"] == 7 and float(run["cost_usd"]) == 1.5
+    assert run["outcome"] == "done"
+
+    # a fenced (released) run still spent its tokens
+    other = enqueue(conn, lane, "other")
+    t = claim_one(conn, session)
+    release(conn, other)
+    record_run(conn, t["lease_token"], {"output_tokens": 99})
+    assert runs(conn, other)[0]["output_tokens"] == 99
+
+
+def test_record_run_agent_session_only_from_the_latest_run(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    first = claim_one(conn, session)
+    release(conn, task_id)
+    second = claim_one(conn, session)
+    record_run(conn, first["lease_token"], {"agent_session": "old", "input_tokens": 1})
+    assert task(conn, task_id)["agent_session"] is None, "a superseded run does not set it"
+    assert runs(conn, task_id)[0]["agent_session"] == "old", "but its run row keeps it"
+    record_run(conn, second["lease_token"], {"agent_session": "new"})
+    assert task(conn, task_id)["agent_session"] == "new"
+    record_run(conn, first["lease_token"], {"agent_session": "older"})
+    assert task(conn, task_id)["agent_session"] == "new"
+
+
+def test_record_run_without_agent_session_keeps_the_tasks(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    hand_off(conn, task_id, t["lease_token"], {"agent_session": "from-snapshot"})
+    record_run(conn, t["lease_token"], {"input_tokens": 3})
+    assert task(conn, task_id)["agent_session"] == "from-snapshot"
+
+
+def test_record_run_after_a_route_does_not_leak_the_agent_session_into_the_next_lane(
+    conn, lane, session
+):
+    add_lane(conn, "review")
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    route(conn, task_id, t["lease_token"], "review")
+    # the shift reports the finished run after routing it (allowed: the lease is gone)
+    record_run(conn, t["lease_token"], {"agent_session": "triage-agent", "input_tokens": 5})
+    after = task(conn, task_id)
+    assert after["lane"] == "review"
+    assert after["agent_session"] is None, "the review stage starts with a fresh agent session"
+    assert runs(conn, task_id)[0]["agent_session"] == "triage-agent"
+
+
+def test_record_run_refusals(conn, lane, session):
+    enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    before = world(conn)
+    with refused(UNKNOWN_TASK):
+        record_run(conn, uuid.uuid4(), {"input_tokens": 1})
+    with refused(UNKNOWN_TASK):
+        record_run(conn, None, {"input_tokens": 1})
+    for bad in (None, [1], "x", 3):
+        with refused(INVALID_ARGUMENT):
+            record_run(conn, t["lease_token"], bad)
+    assert world(conn) == before
+
+
+@pytest.mark.parametrize(
+    "report",
+    [
+        {"input_tokens": -1},
+        {"output_tokens": "many"},
+        {"cost_usd": -0.5},
+        {"exit_code": 1.5},
+        {"exit_code": "zero"},
+        {"cache_read_tokens": 1e30},
+    ],
+)
+def test_record_run_malformed_numbers_are_invalid_arguments(conn, lane, session, report):
+    enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    before = world(conn)
+    with refused(INVALID_ARGUMENT):
+        record_run(conn, t["lease_token"], report | {"agent_session": "x"})
+    assert world(conn) == before
+
+
+@pytest.mark.parametrize("transition", ["cancel", "release", "complete"])
+def test_record_run_racing_a_transition_of_its_task_does_not_deadlock(
+    db_url: str, transition: str
+) -> None:
+    """record_run must take its locks in the order every transition does: task, then run.
+
+    The interleaving is arranged with a third transaction holding the run row: record_run queues
+    on the run row first, then the transition locks the task and queues behind it. Taking the run
+    row before the task (as record_run did) then closes a cycle, and Postgres kills one side with
+    a deadlock error (40P01) - a lost token report or a lost cancel.
+    """
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("insert into fleet.lanes (name) values ('a')")
+        c.execute("select fleet.enqueue('a', 'k')")
+        sid = open_session(c, "a", "h", 1)
+        task_id, token = c.execute(
+            "select id, lease_token from fleet.claim(%s, 1)", (sid,)
+        ).fetchone()  # type: ignore[misc]
+
+    with (
+        psycopg.connect(db_url, autocommit=True) as watch,
+        psycopg.connect(db_url) as holder,
+        psycopg.connect(db_url, autocommit=True) as reporter,
+        psycopg.connect(db_url, autocommit=True) as actor,
+    ):
+        holder.execute("select 1 from fleet.runs where lease_token = %s for update", (token,))
+        results: dict[str, Any] = {}
+
+        def call(name: str, conn: psycopg.Connection, query: str, params: Any) -> None:
+            try:
+                results[name] = conn.execute(query, params).fetchone()
+            except psycopg.Error as exc:
+                results[name] = exc
+
+        report = threading.Thread(
+            target=call,
+            args=(
+                "record_run",
+                reporter,
+                "select fleet.record_run(%s, %s)",
+                (token, Jsonb({"agent_session": "ag", "input_tokens": 10})),
+            ),
+        )
+        report.start()
+        wait_until_waiting(watch, reporter.info.backend_pid)
+        query = {
+            "cancel": ("select fleet.cancel(%s)", (task_id,)),
+            "release": ("select fleet._release(%s, 'lease-expired')", (task_id,)),
+            "complete": ("select fleet.complete(%s, %s)", (task_id, token)),
+        }[transition]
+        act = threading.Thread(target=call, args=(transition, actor, *query))
+        act.start()
+        wait_until_waiting(watch, actor.info.backend_pid)
+        holder.rollback()
+        report.join(timeout=30)
+        act.join(timeout=30)
+
+    errors = {k: v for k, v in results.items() if isinstance(v, BaseException)}
+    assert not errors, errors
+    with psycopg.connect(db_url, autocommit=True) as c:
+        assert c.execute("select input_tokens from fleet.runs").fetchone() == (10,)
+        state = c.execute("select state from fleet.tasks").fetchone()
+        assert state == (
+            {"cancel": "cancelled", "release": "queued", "complete": "done"}[transition],
+        )

@@ -1,0 +1,114 @@
+"""The tables of schema fleet (made by the timestamped migrations, not by a source group): their own
+constraints refuse impossible states whatever writes them, the hot tables' storage settings, and the
+session row's updates by claims and heartbeats stay HOT.
+"""
+
+from __future__ import annotations
+
+import re
+
+import psycopg
+import pytest
+from sqlkit import (
+    claim,
+    claim_one,
+    enqueue,
+    one,
+    open_session,
+    rows,
+    world,
+)
+
+from worker.models import FINISHED_STATES, TASK_STATES
+
+# ------------------------------------------------------------------------------------------------
+# the table's own constraints refuse impossible states, whatever writes them
+
+
+@pytest.mark.parametrize(
+    ("label", "update"),
+    [
+        ("running without lease token", "lease_token = null"),
+        ("running without lease expiry", "lease_expires_at = null"),
+        ("running without session", "session_id = null"),
+        ("queued with a lease", "state = 'queued'"),
+        (
+            "done without finished_at",
+            "state = 'done', lease_token = null, lease_expires_at = null, session_id = null",
+        ),
+        ("negative attempts", "attempts = -1"),
+        ("priority out of range", "priority = 1001"),
+        ("payload not an object", "payload = '[]'"),
+        ("unknown state", "state = 'paused'"),
+    ],
+)
+def test_constraints_refuse_impossible_task_states(conn, lane, session, label, update):
+    task_id = enqueue(conn, lane, "k")
+    claim_one(conn, session)
+    before = world(conn)
+    with pytest.raises(psycopg.errors.CheckViolation):
+        conn.execute(f"update fleet.tasks set {update} where id = %s", (task_id,))
+    assert world(conn) == before, label
+
+
+def test_constraint_refuses_a_queued_task_with_a_lease(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    with pytest.raises(psycopg.errors.CheckViolation):
+        conn.execute(
+            "update fleet.tasks set lease_token = gen_random_uuid() where id = %s", (task_id,)
+        )
+    with pytest.raises(psycopg.errors.CheckViolation):
+        conn.execute("update fleet.tasks set state = 'running' where id = %s", (task_id,))
+
+
+def test_constraint_refuses_an_active_session_with_an_end(conn, lane, session):
+    with pytest.raises(psycopg.errors.CheckViolation):
+        conn.execute("update fleet.sessions set ended_at = now()")
+    with pytest.raises(psycopg.errors.CheckViolation):
+        conn.execute("update fleet.sessions set state = 'ended'")
+
+
+# ------------------------------------------------------------------------------------------------
+# storage settings
+
+
+def test_hot_table_settings(conn: psycopg.Connection) -> None:
+    opts = {r["relname"]: dict(o.split("=", 1) for o in r["reloptions"] or [])
+            for r in rows(conn, "select relname, reloptions from pg_class"
+                                " where relnamespace = 'fleet'::regnamespace and relname in ('tasks', 'sessions')")}
+    assert opts["tasks"]["fillfactor"] == "70" and float(opts["tasks"]["autovacuum_vacuum_scale_factor"]) <= 0.05
+    assert opts["sessions"]["fillfactor"] == "70"
+    indexes = {r[0] for r in conn.execute("select indexname from pg_indexes where schemaname = 'fleet'").fetchall()}
+    assert "sessions_active_heartbeat" not in indexes
+    assert {"events_task", "events_session", "events_kind_ts", "events_ts", "tasks_ready"} <= indexes
+    # the claim's ORDER BY is the partial index's order, on queued rows
+    assert one(conn, "select indexdef from pg_indexes where indexname = 'tasks_ready'").endswith(
+        "(lane, priority DESC, carry_over DESC, run_at, id) WHERE (state = 'queued'::text)")
+
+
+def test_a_claim_and_a_heartbeat_update_the_session_in_place(lanes: psycopg.Connection) -> None:
+    """Without an index on heartbeat_at, the session row's updates are HOT (no index entries)."""
+    conn = lanes
+    s = open_session(conn, "docs")
+    conn.execute("select pg_stat_reset_single_table_counters('fleet.sessions'::regclass)")
+    for _ in range(10):
+        claim(conn, s, 1)
+        conn.execute("select * from fleet.heartbeat(%s)", (s,))
+    conn.execute("select pg_stat_force_next_flush()")  # this backend's counters, now (PostgreSQL 15+)
+    upd, hot = conn.execute("select n_tup_upd, n_tup_hot_upd from pg_stat_user_tables"
+                            " where relid = 'fleet.sessions'::regclass").fetchone()
+    assert upd >= 20 and hot == upd, (upd, hot)
+
+
+def _check(conn: psycopg.Connection, name: str) -> str:
+    row = conn.execute(
+        "select pg_get_constraintdef(oid) from pg_constraint where conrelid = 'fleet.tasks'::regclass and conname = %s",
+        (name,),
+    ).fetchone()
+    assert row is not None, name
+    return str(row[0])
+
+
+def test_the_python_states_are_the_schemas(conn: psycopg.Connection) -> None:
+    assert sorted(re.findall(r"'(\w+)'::text", _check(conn, "task_state"))) == sorted(TASK_STATES)
+    assert sorted(re.findall(r"'(\w+)'::text", _check(conn, "finished_has_time"))) == sorted(FINISHED_STATES)
