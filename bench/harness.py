@@ -41,7 +41,7 @@ def scratch_db(server_url: str, what: str, *, keep: bool = False) -> Iterator[st
     """A new, migrated database ``lf_bench_<what>_<hex>`` on the server; its URL. Dropped after."""
     from uuid import uuid4
 
-    from worker.migrate import migrate
+    from worker.db.migrate import migrate
 
     name = f"lf_bench_{what}_{uuid4().hex[:8]}"
     with psycopg.connect(server_url, autocommit=True) as admin:

@@ -21,8 +21,8 @@ from monitor.host import ShiftLauncher, crontab_lines, shift_env
 from monitor.reconcile import monitor_pass
 from worker.cli import JsonOpt, console, err_console, rt
 from worker.config import env_settings, parse_duration
+from worker.db.migrate import migrate as run_migrations
 from worker.errors import FleetError, InvalidInput
-from worker.migrate import migrate as run_migrations
 from worker.models import RepairAction
 from worker.runtime import Runtime
 

@@ -26,7 +26,7 @@ from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
 
 from worker.config import load_config
-from worker.migrate import load_migrations
+from worker.db.migrate import load_migrations
 from worker.store import PostgresStore, lane_settings
 
 FLEET_TOML = """\

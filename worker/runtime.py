@@ -12,8 +12,8 @@ from typing import cast
 import psycopg
 
 from worker.config import FleetConfig, load_config
+from worker.db.migrate import newer, pending, refuse_newer
 from worker.errors import DatabaseUnavailable, MigrationError
-from worker.migrate import newer, pending, refuse_newer
 from worker.store import PostgresStore, sync_config
 
 
@@ -34,7 +34,7 @@ class Runtime:
     def url(self) -> str:
         if self.cfg.database.url:
             return self.cfg.database.url
-        from worker.embedded import embedded_url
+        from worker.db.embedded import embedded_url
 
         return embedded_url(self.cfg.path(self.cfg.fleet.home))
 

@@ -370,7 +370,7 @@ class SupabaseStore(NamedReads):
     def check_schema(self) -> None:
         """Refuse to work on a database that lacks migrations this code needs, or that a newer
         lanefleet migrated (FLEET_ALLOW_NEWER_SCHEMA=1 allows the latter)."""
-        from worker.migrate import load_migrations, refuse_newer, unknown_of
+        from worker.db.migrate import load_migrations, refuse_newer, unknown_of
 
         try:
             applied = set(self._rpc("schema_versions", {}) or [])

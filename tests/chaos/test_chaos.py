@@ -65,7 +65,7 @@ import pytest
 from psycopg.rows import dict_row
 
 from worker.config import load_config
-from worker.migrate import migrate
+from worker.db.migrate import migrate
 from worker.store import PostgresStore, lane_settings
 
 ROOT = Path(__file__).resolve().parents[2]
