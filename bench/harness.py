@@ -181,7 +181,7 @@ class FleetBench:
 
     def __init__(self, url: str, folder: Path, lanes: dict[str, dict[str, Any]]) -> None:
         from worker.config import load_config
-        from worker.store import lane_settings
+        from worker.store.sync import lane_settings
 
         self.url = url
         self.folder = folder

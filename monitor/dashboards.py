@@ -39,7 +39,8 @@ from rich.text import Text
 from monitor.commands import flag_duration
 from worker.cli import JsonOpt, console, rt
 from worker.errors import DatabaseUnavailable, FleetError, InvalidInput, UnknownLane
-from worker.store import PostgresStore, load_queries, translate
+from worker.store.postgres import PostgresStore, translate
+from worker.store.reads import load_queries
 
 QUERIES = Path(__file__).with_name("queries.sql")
 VIEW_DAYS = 30  # what throughput_hourly and usage_by_lane_day keep

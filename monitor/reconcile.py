@@ -20,7 +20,7 @@ from worker.config import FleetConfig
 from worker.errors import FleetError, SessionLost
 from worker.models import RepairAction
 from worker.proc import process_start_time
-from worker.store import PostgresStore
+from worker.store.postgres import PostgresStore
 from worker.workspace import UnsafePath, disk_use, remove_workspace, sweep_reaping, workspace_path
 
 log = structlog.get_logger("lanefleet.monitor")

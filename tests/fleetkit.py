@@ -28,10 +28,11 @@ from psycopg.rows import dict_row
 
 from worker.config import FleetConfig, load_config
 from worker.devstack import DevStack
-from worker.keys import mint_key
 from worker.shift import Shift, ShiftSummary
-from worker.store import PostgresStore, sync_config
-from worker.supabase_store import SupabaseStore
+from worker.store.keys import mint_key
+from worker.store.postgres import PostgresStore
+from worker.store.supabase import SupabaseStore
+from worker.store.sync import sync_config
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT = ["python", "-m", "worker.example_agent", "{prompt_file}"]

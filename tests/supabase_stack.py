@@ -24,8 +24,8 @@ from psycopg.rows import dict_row
 from supabase import Client, ClientOptions, create_client
 
 from worker import devstack
-from worker.keys import mint_key
-from worker.supabase_store import SupabaseStore
+from worker.store.keys import mint_key
+from worker.store.supabase import SupabaseStore
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".fleet" / "cache"

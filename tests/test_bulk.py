@@ -37,7 +37,7 @@ from test_sql_api import (
 
 from worker.devstack import DevStack
 from worker.errors import InvalidInput, LaneForbidden, UnknownLane
-from worker.store import PostgresStore
+from worker.store.postgres import PostgresStore
 
 
 def enqueue_many(conn: psycopg.Connection, lane: str | None, tasks: Any) -> list[dict[str, Any]]:

@@ -27,7 +27,8 @@ from psycopg.rows import dict_row
 
 from worker.config import load_config
 from worker.db.migrate import load_migrations
-from worker.store import PostgresStore, lane_settings
+from worker.store.postgres import PostgresStore
+from worker.store.sync import lane_settings
 
 FLEET_TOML = """\
 [lanes.docs]

@@ -534,7 +534,7 @@ def test_report_of_one_lane_and_of_an_empty_fleet(db_url: str, home: Path, chrom
 def test_dashboards_read_one_moment(db_url: str) -> None:
     """Every section of a refresh sees the same snapshot and the same now()."""
     from monitor.dashboards import reading, status_data
-    from worker.store import PostgresStore
+    from worker.store.postgres import PostgresStore
 
     build_history(db_url)
     with PostgresStore(db_url) as store, reading(store) as r:

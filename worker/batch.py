@@ -56,12 +56,6 @@ from worker.models import Task
 from worker.shift import Shift, _attention, _mtime, _over_budget, _size
 from worker.workspace import prepare, safe_name, workspace_for
 
-#: the SQL functions a store's ``batch_call`` may call
-BATCH_FUNCTIONS = frozenset({
-    "batch_create", "batch_compose", "batch_get", "batch_resume", "batch_setup", "batch_member_start", "batch_member_gate",
-    "batch_member_landed", "batch_member_evicted", "batch_member_blocked", "batch_member_torn_down", "batch_block",
-    "batch_tail", "batch_finish",
-})
 INCONCLUSIVE = ("automation-broken", "capability-unavailable")
 
 

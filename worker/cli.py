@@ -498,7 +498,8 @@ def register(root: typer.Typer) -> None:
     root.registered_commands.extend(app.registered_commands)
     root.add_typer(lanes_app, name="lanes")
     root.add_typer(db_app, name="db")
-    from worker import devstack, dispatch_cli, guard, keys
+    from worker import devstack, dispatch_cli, guard
+    from worker.store import keys
 
     keys.register(root)
     devstack.register(root)

@@ -646,7 +646,8 @@ def up_command(
     stack = up(where, cache=cache, fresh=fresh)
     obj = ctx.find_root().obj
     if sync and isinstance(obj, Runtime):
-        from worker.store import PostgresStore, sync_config
+        from worker.store.postgres import PostgresStore
+        from worker.store.sync import sync_config
 
         with PostgresStore(stack.db_url, max_size=1) as store:
             sync_config(store, obj.cfg)

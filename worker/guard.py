@@ -47,7 +47,7 @@ from uuid import UUID
 import structlog
 import typer
 
-from worker.store import Store
+from worker.store.protocol import Store
 
 EX_NOPERM = 77  # sysexits.h: "permission denied" — the lease does not allow it
 SOCKET_NAME = "guard.sock"

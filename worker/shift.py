@@ -45,7 +45,7 @@ from worker.executor import (
 from worker.guard import GuardServer
 from worker.models import LaneHandoff, Task
 from worker.proc import process_start_time
-from worker.store import Store
+from worker.store.protocol import Store
 from worker.workspace import Workspace, disk_use, prepare, safe_name, workspace_for
 
 EXIT_OK = 0

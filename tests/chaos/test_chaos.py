@@ -66,7 +66,8 @@ from psycopg.rows import dict_row
 
 from worker.config import load_config
 from worker.db.migrate import migrate
-from worker.store import PostgresStore, lane_settings
+from worker.store.postgres import PostgresStore
+from worker.store.sync import lane_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES_FILE = ROOT / ".fleet" / "chaos-figures.json"

@@ -1,4 +1,4 @@
-"""``fleet keys mint`` and ``fleet keys inspect`` (worker/keys.py), and the keys against the stack."""
+"""``fleet keys mint`` and ``fleet keys inspect`` (worker/store/keys.py), and the keys against the stack."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import typer
 from supabase_stack import client, sql
 from typer.testing import CliRunner
 
-from worker import keys
 from worker.devstack import DevStack
 from worker.errors import ConfigError, InvalidInput
+from worker.store import keys
 
 SECRET = "s" * 40
 

@@ -7,7 +7,7 @@ from ``fleet keys mint``, as ``Authorization: Bearer`` (what PostgREST switches 
 made once per store: ``create_client`` is not cheap.
 
 Errors: PostgREST answers a failed call with the SQLSTATE in ``code``; the ``LF`` ones become the
-same exceptions as with :class:`worker.store.PostgresStore` (a lost lease through HTTP is still
+same exceptions as with :class:`worker.store.postgres.PostgresStore` (a lost lease through HTTP is still
 :class:`~worker.errors.LeaseLost`). Retries follow the psycopg store: a call that never reached the
 database (connection refused, 503, 429, PostgREST's own connection errors) is retried with
 jittered backoff; one that may have run (a timeout, 502, 504) is retried only if it is safe to
@@ -45,7 +45,8 @@ from worker.errors import (
     MigrationError,
 )
 from worker.models import RepairAction, Task
-from worker.store import CompleteItem, NamedReads, bulk_tasks
+from worker.store.protocol import BATCH_FUNCTIONS, CompleteItem, bulk_tasks
+from worker.store.reads import NamedReads
 
 
 class AccessDenied(FleetError):
@@ -81,7 +82,7 @@ class SupabaseStore(NamedReads):
                  call_budget: float | None = None) -> None:
         """``url``: the project URL (``https://<ref>.supabase.co``); ``anon_key``: the project's
         anon key; ``key``: the host's fleet key. ``call_budget``: the most seconds one call may
-        spend on retries (see :class:`worker.store.PostgresStore`)."""
+        spend on retries (see :class:`worker.store.postgres.PostgresStore`)."""
         from supabase import ClientOptions, create_client
 
         self.url = url
@@ -217,7 +218,7 @@ class SupabaseStore(NamedReads):
         return int(rows[0]["task_id"]), bool(rows[0]["created"])
 
     def enqueue_many(self, lane: str | None, tasks: Sequence[Mapping[str, Any]]) -> list[tuple[int, bool]]:
-        """Queue many tasks in one transaction (see :meth:`worker.store.PostgresStore.enqueue_many`)."""
+        """Queue many tasks in one transaction (see :meth:`worker.store.postgres.PostgresStore.enqueue_many`)."""
         if not tasks:
             return []
         rows = self._rpc("enqueue_many", {"p_lane": lane, "p_tasks": bulk_tasks(tasks)})
@@ -236,7 +237,7 @@ class SupabaseStore(NamedReads):
 
     def heartbeat(self, session: UUID, tasks: list[int] | None = None, progressed: list[int] | None = None,
                   attention: dict[int, str] | None = None) -> dict[int, str]:
-        """Renew the session's leases (see :meth:`worker.store.PostgresStore.heartbeat`)."""
+        """Renew the session's leases (see :meth:`worker.store.postgres.PostgresStore.heartbeat`)."""
         rows = self._rpc("heartbeat", {"p_session": str(session), "p_tasks": tasks, "p_progressed": progressed,
                                        "p_attention": ({str(k): v for k, v in attention.items()}
                                                        if attention is not None else None)})
@@ -260,7 +261,7 @@ class SupabaseStore(NamedReads):
         return str(self._rpc("review_reject", {"p_task": task, "p_note": note}, idempotent=False))
 
     def lease_held(self, task: int, token: UUID) -> tuple[bool, str]:
-        """See :meth:`worker.store.PostgresStore.lease_held`."""
+        """See :meth:`worker.store.postgres.PostgresStore.lease_held`."""
         rows = self._rpc("lease_held", {"p_task": task, "p_token": str(token)})
         return bool(rows[0]["held"]), str(rows[0]["state"])
 
@@ -272,7 +273,7 @@ class SupabaseStore(NamedReads):
                              idempotent=False))
 
     def complete_many(self, items: Sequence[CompleteItem]) -> dict[int, str]:
-        """Complete many tasks, each fenced by its token (see :meth:`worker.store.PostgresStore.complete_many`)."""
+        """Complete many tasks, each fenced by its token (see :meth:`worker.store.postgres.PostgresStore.complete_many`)."""
         if not items:
             return {}
         results = [i[2] if len(i) > 2 else None for i in items]
@@ -300,9 +301,7 @@ class SupabaseStore(NamedReads):
         return str(self._rpc("resume", {"p_task": task}, idempotent=False))
 
     def batch_call(self, fn: str, params: dict[str, Any], *, idempotent: bool = False) -> Any:
-        """One of the batch functions (worker.batch.BATCH_FUNCTIONS) through PostgREST RPC."""
-        from worker.batch import BATCH_FUNCTIONS
-
+        """One of the batch functions (:data:`~worker.store.protocol.BATCH_FUNCTIONS`) through PostgREST RPC."""
         if fn not in BATCH_FUNCTIONS:
             raise ValueError(f"not a batch function: {fn}")
         return self._rpc(fn, {k: (str(v) if isinstance(v, UUID) else v) for k, v in params.items()},
@@ -348,7 +347,7 @@ class SupabaseStore(NamedReads):
         rows = self._rpc("declare_session_lost", {"p_session": str(session), "p_reason": reason})
         return [RepairAction.model_validate(r) for r in rows or []]
 
-    # -- workspaces (see :class:`worker.store.PostgresStore`)
+    # -- workspaces (see :class:`worker.store.postgres.PostgresStore`)
 
     def touch_workspace(self, task: int, token: UUID, host: str, path: str, size: int | None = None) -> int:
         return int(self._rpc("touch_workspace", {"p_task": task, "p_token": str(token), "p_host": host,

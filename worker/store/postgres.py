@@ -1,8 +1,6 @@
-"""The store: a small typed interface over the SQL API (DESIGN §5).
-
-Every method is a thin call site of one ``fleet.*`` function; no transition is decided here.
-:class:`PostgresStore` talks psycopg 3 through a connection pool; a store over Supabase's REST
-API (PostgREST RPC) is to implement the same :class:`Store` protocol.
+"""The store over a direct database connection (DESIGN §5): :class:`PostgresStore`, psycopg 3
+through a connection pool, one thin call site per ``fleet.*`` function (the
+:class:`~worker.store.protocol.Store` protocol); no transition is decided here.
 
 Retries: a transient connection failure is retried with tenacity, and only that. Calls that are
 safe to repeat (heartbeat, checkpoint, record_run, enqueue by key, open_session — a duplicate
@@ -15,12 +13,10 @@ A constraint violation or an ``LF`` error is never retried.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from pathlib import Path
-from typing import Any, LiteralString, Protocol
+from typing import Any, LiteralString
 from uuid import UUID
 
 import psycopg
@@ -35,148 +31,16 @@ from tenacity import (
     wait_exponential,
 )
 
-from worker.config import FleetConfig, LaneConfig
+from worker.config import FleetConfig
 from worker.errors import (
     SQLSTATE_ERRORS,
     DatabaseUnavailable,
     FleetError,
     InvalidInput,
-    UnknownTask,
 )
-from worker.models import Event, LaneHandoff, RepairAction, Run, Task
-
-
-def load_queries(path: Path) -> dict[str, str]:
-    """Named queries of a ``.sql`` file: ``-- name: <name>`` and a description, then the statement."""
-    out: dict[str, str] = {}
-    name: str | None = None
-    body: list[str] = []
-    for line in path.read_text().splitlines():
-        if line.startswith("-- name:"):
-            if name:
-                out[name] = "\n".join(body).strip()
-            name, body = line.split(":", 1)[1].strip(), []
-        elif name and not line.startswith("--"):
-            body.append(line)
-    if name:
-        out[name] = "\n".join(body).strip()
-    return out
-
-
-@functools.cache
-def queries() -> dict[str, str]:
-    """The named queries of ``worker/queries.sql``, loaded once."""
-    return load_queries(Path(__file__).parent / "queries.sql")
-
-
-def lane_settings(lane: LaneConfig, dispatch: list[dict[str, str]] | None = None) -> dict[str, Any]:
-    """The fleet.lanes columns of a configured lane (what ``fleet.sync_lane`` takes).
-    ``dispatch``: the lane's pools with their profiles (FleetConfig.dispatch_list)."""
-    return {
-        "max_running": lane.max_running,
-        "lease_seconds": lane.lease_seconds,
-        "max_attempts": lane.max_attempts,
-        "max_handoffs": lane.max_handoffs,
-        "session_timeout_seconds": lane.session_timeout_seconds,
-        "backoff_base_seconds": lane.backoff_base_seconds,
-        "backoff_max_seconds": lane.backoff_max_seconds,
-        "accepts_from": lane.accepts_from,
-        "paused": lane.paused,
-        "config": {
-            "model": lane.model,
-            "require_result": lane.require_result,
-            "stall_seconds": lane.stall_seconds,
-            "max_shifts": lane.max_shifts,
-            "tiers": lane.tiers,
-            "default_tier": lane.default_tier,
-            "escalate_on": lane.escalate_on,
-            "profile": lane.profile,
-            "dispatch": dispatch or [],
-            "stall_action": lane.stall_action,
-            "max_cost_usd": lane.max_cost_usd,
-            "max_tokens": lane.max_tokens,
-            "daily_budget_usd": lane.daily_budget_usd,
-            "daily_budget_tokens": lane.daily_budget_tokens,
-            "review": lane.review,
-            "review_cap": lane.review_cap,
-            "workspace_retention_seconds": lane.workspace_retention,
-        },
-    }
-
-
-def sync_config(store: Store, cfg: FleetConfig) -> dict[str, str]:
-    """Write the config's pools, profiles and lanes to the database (`fleet lanes sync`), in that
-    order (a profile names its pool, a lane its profile). Name → created | updated | unchanged."""
-    out = {f"pool {n}": store.sync_pool(n, p.slots) for n, p in cfg.pools.items()}
-    out |= {f"profile {n}": store.sync_profile(n, p.pool, p.models) for n, p in cfg.profiles.items()}
-    out |= {name: store.sync_lane(name, lane_settings(lane, cfg.dispatch_list(name)))
-            for name, lane in cfg.lanes.items()}
-    return out
-
-
-# one task of a complete_many batch: (task, token) or (task, token, result)
-CompleteItem = tuple[int, UUID] | tuple[int, UUID, Any]
-
-
-def bulk_tasks(tasks: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The JSON array ``fleet.enqueue_many`` takes: each task as given, a ``run_at`` datetime as ISO
-    text. Everything else is checked by the database (the same checks as a single enqueue)."""
-    out = []
-    for task in tasks:
-        item = dict(task)
-        if isinstance(item.get("run_at"), datetime):
-            item["run_at"] = item["run_at"].isoformat()
-        out.append(item)
-    return out
-
-
-class Store(Protocol):
-    """What a shift, the monitor and the CLI need from the database."""
-
-    def enqueue(self, lane: str, key: str, payload: dict[str, Any] | None = None, priority: int = 0,
-                run_at: datetime | None = None, max_attempts: int | None = None,
-                title: str | None = None, delay_seconds: float | None = None, tier: str | None = None,
-                profile: str | None = None, max_cost_usd: float | None = None,
-                max_tokens: int | None = None) -> tuple[int, bool]: ...
-    def open_session(self, lane: str, host: str, pid: int, pid_started_at: datetime | None,
-                     seconds: int) -> UUID: ...
-    def enqueue_many(self, lane: str | None, tasks: Sequence[Mapping[str, Any]]) -> list[tuple[int, bool]]: ...
-    def claim(self, session: UUID, limit: int = 1) -> list[Task]: ...
-    def heartbeat(self, session: UUID, tasks: list[int] | None = None, progressed: list[int] | None = None,
-                  attention: dict[int, str] | None = None) -> dict[int, str]: ...
-    def task_spend(self, task: int) -> tuple[float, int]: ...
-    def stalled_tasks(self) -> list[dict[str, Any]]: ...
-    def set_task_budget(self, task: int, max_cost_usd: float | None = None, max_tokens: int | None = None) -> str: ...
-    def review_approve(self, task: int, note: str | None = None) -> str: ...
-    def review_reject(self, task: int, note: str) -> str: ...
-    def lease_held(self, task: int, token: UUID) -> tuple[bool, str]: ...
-    def checkpoint(self, task: int, token: UUID, data: Any) -> int: ...
-    def complete(self, task: int, token: UUID, result: Any = None) -> str: ...
-    def complete_many(self, items: Sequence[CompleteItem]) -> dict[int, str]: ...
-    def fail(self, task: int, token: UUID, error: str, retryable: bool = True, reason: str | None = None) -> str: ...
-    def block(self, task: int, token: UUID, reason: str, evidence: str | None = None) -> str: ...
-    def throttle(self, task: int, token: UUID, until: datetime | None = None, note: str | None = None,
-                 after_seconds: float | None = None) -> datetime: ...
-    def resume(self, task: int) -> str: ...
-    def batch_call(self, fn: str, params: dict[str, Any], *, idempotent: bool = False) -> Any: ...
-    def sync_pool(self, name: str, slots: int | None) -> str: ...
-    def sync_profile(self, name: str, pool: str | None, models: dict[str, str]) -> str: ...
-    def hand_off(self, task: int, token: UUID, snapshot: dict[str, Any]) -> str: ...
-    def route(self, task: int, token: UUID, lane: str, note: Any = None) -> str: ...
-    def record_run(self, token: UUID, report: dict[str, Any]) -> None: ...
-    def close_session(self, session: UUID, reason: str, snapshot: dict[str, Any]) -> int: ...
-    def cancel(self, task: int) -> str: ...
-    def retry(self, task: int) -> str: ...
-    def sync_lane(self, name: str, settings: dict[str, Any]) -> str: ...
-    def reconcile(self, idle_seconds: int = 300, overdue_grace_seconds: int = 60) -> list[RepairAction]: ...
-    def declare_session_lost(self, session: UUID, reason: str) -> list[RepairAction]: ...
-    def touch_workspace(self, task: int, token: UUID, host: str, path: str, size: int | None = None) -> int: ...
-    def workspaces_to_reap(self, host: str, limit: int = 100) -> list[dict[str, Any]]: ...
-    def workspace_reaped(self, workspace: int, bytes_freed: int | None = None) -> bool: ...
-    def workspace_usage(self) -> list[dict[str, Any]]: ...
-    def get_task(self, ref: int | str) -> Task: ...
-    def last_lane_handoff(self, lane: str) -> LaneHandoff | None: ...
-    def close(self) -> None: ...
+from worker.models import RepairAction, Task
+from worker.store.protocol import BATCH_FUNCTIONS, CompleteItem, bulk_tasks
+from worker.store.reads import NamedReads, queries
 
 
 def _json(value: Any) -> Jsonb | None:
@@ -200,42 +64,6 @@ def translate(exc: psycopg.Error) -> Exception:
 
 class _Transient(Exception):
     """A connection failure that is safe to retry."""
-
-
-class NamedReads:
-    """The typed reads, on top of a store's ``query(name, **params)`` (the named queries of
-    worker/queries.sql; the Supabase store answers the same names over REST)."""
-
-    def query(self, name: str, **params: Any) -> list[dict[str, Any]]:
-        raise NotImplementedError
-
-    def get_task(self, ref: int | str) -> Task:
-        """A task by id (an int, or a string of digits) or by key."""
-        if isinstance(ref, int) or ref.isdigit():
-            rows = self.query("task_by_id", id=int(ref))
-            if not rows and isinstance(ref, str):
-                rows = self.query("task_by_key", key=ref)
-        else:
-            rows = self.query("task_by_key", key=ref)
-        if not rows:
-            raise UnknownTask(f"no task with id or key {ref!r}")
-        return Task.model_validate(rows[0])
-
-    def list_tasks(self, lane: str | None = None, state: str | None = None, limit: int = 50) -> list[Task]:
-        return [Task.model_validate(r) for r in self.query("list_tasks", lane=lane, state=state, limit=limit)]
-
-    def task_events(self, task: int) -> list[Event]:
-        return [Event.model_validate(r) for r in self.query("task_events", id=task)]
-
-    def task_runs(self, task: int) -> list[Run]:
-        return [Run.model_validate(r) for r in self.query("task_runs", id=task)]
-
-    def last_lane_handoff(self, lane: str) -> LaneHandoff | None:
-        rows = self.query("last_lane_handoff", lane=lane)
-        return LaneHandoff.model_validate(rows[0]) if rows else None
-
-    def lane_names(self) -> list[str]:
-        return [str(r["name"]) for r in self.query("list_lanes")]
 
 
 class PostgresStore(NamedReads):
@@ -439,11 +267,9 @@ class PostgresStore(NamedReads):
         return str(self._one("select fleet.resume(%s)", (task,), idempotent=False))
 
     def batch_call(self, fn: str, params: dict[str, Any], *, idempotent: bool = False) -> Any:
-        """One of the batch functions (worker.batch.BATCH_FUNCTIONS), with named arguments
-        (``p_carrier``, ``p_token``, ...); its one value."""
+        """One of the batch functions (:data:`~worker.store.protocol.BATCH_FUNCTIONS`), with named
+        arguments (``p_carrier``, ``p_token``, ...); its one value."""
         from psycopg import sql
-
-        from worker.batch import BATCH_FUNCTIONS
 
         if fn not in BATCH_FUNCTIONS:
             raise ValueError(f"not a batch function: {fn}")
