@@ -257,7 +257,7 @@ class FleetBench:
 
 def agent_tree(shift_pid: int) -> dict[int, list[int]]:
     """The shift's agents: supervisor pid -> the pids of its children (the agent)."""
-    return {p: sorted(children(p)) for p in children(shift_pid) if "worker.supervisor" in cmdline(p)}
+    return {p: sorted(children(p)) for p in children(shift_pid) if "worker.agent.supervisor" in cmdline(p)}
 
 
 def wait_agents(shift_pid: int, n: int, timeout: float = 60) -> dict[int, list[int]]:

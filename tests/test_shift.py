@@ -23,7 +23,7 @@ import pytest
 from fleetkit import Backend, Fleet, alive, lane_defaults, pids_using, proc_children, wait_for
 
 from worker import example_agent
-from worker.executor import parse_result
+from worker.agent.executor import parse_result
 from worker.shift import IDLE_CLAIM_MAX, Shift, ShiftSummary
 
 QUICK = {"steps": 2, "sleep": 0.05}

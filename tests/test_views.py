@@ -39,7 +39,7 @@ from test_sql_api import (
     rows,
 )
 
-from worker.executor import parse_result
+from worker.agent.executor import parse_result
 
 ROOT = Path(__file__).resolve().parents[1]
 VIEWS = ["lane_overview", "stuck_tasks", "session_overview", "recent_repairs", "dead_letters",

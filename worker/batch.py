@@ -41,9 +41,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from worker.dispatch import classify_gate, resolve
-from worker.errors import DatabaseUnavailable, FleetError, LeaseLost
-from worker.executor import (
+from worker.agent.executor import (
     AgentProcess,
     StreamUsage,
     agent_env,
@@ -52,6 +50,8 @@ from worker.executor import (
     render_argv,
     tail,
 )
+from worker.dispatch import classify_gate, resolve
+from worker.errors import DatabaseUnavailable, FleetError, LeaseLost
 from worker.models import Task
 from worker.shift import Shift, _attention, _mtime, _over_budget, _size
 from worker.workspace import prepare, safe_name, workspace_for

@@ -13,9 +13,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from worker.agent.executor import render_argv
 from worker.config import FleetConfig
 from worker.dispatch import lane_dispatch
-from worker.executor import render_argv
 
 console = Console()
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]

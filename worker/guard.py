@@ -2,7 +2,7 @@
 
 An agent whose claim evaporated (its shift was declared lost, its lease expired and was repaired,
 an operator cancelled the task) must not push a branch or open a pull request on work someone
-else now owns. Agents have no database credentials (worker/executor.py strips them), so the shift
+else now owns. Agents have no database credentials (worker/agent/executor.py strips them), so the shift
 answers for them:
 
 - :class:`GuardServer`, started by each shift, serves a Unix socket (mode 0600, in a private

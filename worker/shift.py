@@ -29,10 +29,7 @@ from uuid import UUID
 
 import structlog
 
-from worker.config import FleetConfig, LaneConfig
-from worker.dispatch import Dispatch, banner, classify_gate, resolve, usage_limit
-from worker.errors import DatabaseUnavailable, FleetError, LeaseLost, SessionLost
-from worker.executor import (
+from worker.agent.executor import (
     EX_TEMPFAIL,
     AgentProcess,
     StreamUsage,
@@ -42,6 +39,9 @@ from worker.executor import (
     render_argv,
     tail,
 )
+from worker.config import FleetConfig, LaneConfig
+from worker.dispatch import Dispatch, banner, classify_gate, resolve, usage_limit
+from worker.errors import DatabaseUnavailable, FleetError, LeaseLost, SessionLost
 from worker.guard import GuardServer
 from worker.models import LaneHandoff, Task
 from worker.proc import process_start_time

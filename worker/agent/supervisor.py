@@ -1,6 +1,6 @@
 """The agent's supervisor: a small process beside each agent that kills it when the shift dies.
 
-``python -m worker.supervisor FD -- ARGV...``. The shift creates a pipe, keeps the write end, and
+``python -m worker.agent.supervisor FD -- ARGV...``. The shift creates a pipe, keeps the write end, and
 passes the read end as FD; it starts the supervisor in a session of its own, so a terminal's
 Ctrl-C or a kill of the shift's process group does not reach it. The supervisor starts the agent
 in yet another session (the agent's process group: the agent and everything it spawns) and
@@ -47,7 +47,7 @@ def _watch(fd: int, pgid: int) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m worker.supervisor FD -- ARGV...", file=sys.stderr)
+        print("usage: python -m worker.agent.supervisor FD -- ARGV...", file=sys.stderr)
         return 2
     fd = int(argv[0])
     command = argv[2:]

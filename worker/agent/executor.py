@@ -8,7 +8,7 @@
   database credentials, which an agent never needs.
 - stdout and stderr go straight to the run's log file (the file is the child's stdout: nothing
   is buffered in the shift, so a killed run still leaves its log).
-- The agent runs under :mod:`worker.supervisor`, which kills it when the shift dies.
+- The agent runs under :mod:`worker.agent.supervisor`, which kills it when the shift dies.
 - Exit 0 = done, 75 (EX_TEMPFAIL) = hand off, other = failed attempt. A Claude-Code style
   stream-json ``{"type": "result"}`` record on stdout gives the agent's session id, ``is_error``,
   ``total_cost_usd`` and the tokens, summed over ``modelUsage`` — never the top-level ``usage``
@@ -248,7 +248,7 @@ class AgentProcess:
             with log_path.open("ab", buffering=0) as log:
                 self.proc = subprocess.Popen(
                     # -P: the cwd is the task's workspace, whose own `worker/` must not shadow ours
-                    [sys.executable, "-P", "-m", "worker.supervisor", str(read_end), "--", *argv],
+                    [sys.executable, "-P", "-m", "worker.agent.supervisor", str(read_end), "--", *argv],
                     cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL, stdout=log,
                     stderr=subprocess.STDOUT, pass_fds=(read_end,), start_new_session=True,
                 )
