@@ -169,7 +169,7 @@ class Fleet:
         return f"LANE-INSTRUCTIONS-{lane.upper()}"
 
     def workspace(self, lane: str, key: str) -> Path:
-        from worker.workspace import workspace_for
+        from worker.workspace.folder import workspace_for
 
         return workspace_for(self.workspaces, lane, key).root
 

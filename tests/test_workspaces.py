@@ -16,7 +16,7 @@ from fleetkit import Backend, Fleet, lane_defaults
 
 from monitor.reconcile import monitor_pass, reap_workspaces
 from worker.errors import LeaseLost
-from worker.workspace import REAPING, UnsafePath, disk_use, remove_workspace, workspace_path
+from worker.workspace.disk import REAPING, UnsafePath, disk_use, remove_workspace, workspace_path
 
 HOST = "ws-test-host"
 QUICK = {"steps": 1, "sleep": 0.02}

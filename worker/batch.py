@@ -9,7 +9,7 @@ its own git worktree on ``batch/<id>-m<n>-<key>``, cut from the integration bran
 - the agent runs (the executor contract of a task, with the member's prompt and payload, env
   ``FLEET_TASK_*`` of the member and ``FLEET_BATCH_ID``); a non-zero exit evicts the member;
 - after an exit 0 the lane's verify gate runs in the member worktree: ``ok`` → the member branch is
-  landed fast-forward only and pushed (:func:`worker.gitws.land_ff_only`), its worktree removed;
+  landed fast-forward only and pushed (:func:`worker.workspace.git.land_ff_only`), its worktree removed;
   ``task-failed`` → evicted (nothing of it landed: nothing to revert); an inconclusive gate or a
   landing that cannot fast-forward → the batch is blocked until ``fleet resume --batch ID``;
 - a member's agent is recorded as a run of the member's own task (``fleet.runs``: its tokens, cost,
@@ -54,7 +54,7 @@ from worker.dispatch import classify_gate, resolve
 from worker.errors import DatabaseUnavailable, FleetError, LeaseLost
 from worker.models import Task
 from worker.shift import Shift, _attention, _mtime, _over_budget, _size
-from worker.workspace import prepare, safe_name, workspace_for
+from worker.workspace.folder import prepare, safe_name, workspace_for
 
 INCONCLUSIVE = ("automation-broken", "capability-unavailable")
 
@@ -161,7 +161,7 @@ class BatchRunner:
             self.log.warning("batch step failed; will try again", state=self.state, error=str(exc))
 
     def _setup(self) -> None:
-        from worker.gitws import ensure_integration_branch, integration_branch
+        from worker.workspace.git import ensure_integration_branch, integration_branch
 
         if not self.lane.repo:
             error = (f"lane {self.shift.lane_name} has no `repo` in fleet.toml: a batch needs a git "
@@ -189,7 +189,7 @@ class BatchRunner:
                              f"batch-{self.batch_id}-m{m['n']}-{m['key']}")
 
     def _next(self) -> None:
-        from worker.gitws import cut_member_branch, member_branch
+        from worker.workspace.git import cut_member_branch, member_branch
 
         self._reload()
         todo = [m for m in self.batch["members"] if m["state"] in ("pending", "running")]
@@ -207,7 +207,7 @@ class BatchRunner:
         try:
             head = cut_member_branch(self.shift._mirror(), ws.root, branch, self.batch["integration_branch"])
         except FleetError as exc:
-            from worker.gitws import BranchDiverged
+            from worker.workspace.git import BranchDiverged
 
             reason = "branch-diverged" if isinstance(exc, BranchDiverged) else "automation-broken"
             self._block(reason, f"could not prepare member {m['n']}'s worktree: {exc}", m["n"])
@@ -361,7 +361,7 @@ class BatchRunner:
         self.state = "next"
 
     def _land(self) -> None:
-        from worker.gitws import GitError, LandingFailed, land_ff_only, member_branch
+        from worker.workspace.git import GitError, LandingFailed, land_ff_only, member_branch
 
         m = self.member
         assert m is not None
@@ -382,7 +382,7 @@ class BatchRunner:
         self.state = "next"
 
     def _tear_down(self, m: dict[str, Any]) -> None:
-        from worker.gitws import remove_worktree
+        from worker.workspace.git import remove_worktree
 
         try:
             remove_worktree(self.shift._mirror(), self._ws(m).root)
@@ -395,7 +395,7 @@ class BatchRunner:
     # -- the tail
 
     def _tail_ws(self) -> Any:
-        from worker.gitws import ensure_task_worktree
+        from worker.workspace.git import ensure_task_worktree
 
         ws = workspace_for(self.shift.workspaces, self.shift.lane_name, f"batch-{self.batch_id}")
         ensure_task_worktree(self.shift._mirror(), ws.root, self.batch["integration_branch"], self.lane.base)
@@ -464,7 +464,7 @@ class BatchRunner:
         self._reload()
 
     def _finish(self) -> None:
-        from worker.gitws import remove_worktree
+        from worker.workspace.git import remove_worktree
 
         members = self.batch["members"]
         created = datetime.fromisoformat(str(self.batch["created_at"]))
@@ -501,7 +501,7 @@ class BatchRunner:
     def _hand_off(self, why: str) -> None:
         """Hand the carrier off (the member's state stays in the database); what the member left
         uncommitted is committed as work in progress and its branch pushed, for another host."""
-        from worker.gitws import commit_all, push
+        from worker.workspace.git import commit_all, push
 
         m = self.member
         if m is not None and m.get("branch"):

@@ -456,7 +456,7 @@ def checkpoint(
     workspace: Annotated[Path | None, typer.Option(envvar="FLEET_WORKSPACE", help="the task workspace [env: FLEET_WORKSPACE]")] = None,
 ) -> None:
     """For agents: save a checkpoint; the shift stores it at its next heartbeat."""
-    from worker.workspace import write_atomic
+    from worker.workspace.folder import write_atomic
 
     if workspace is None:
         raise InvalidInput("no workspace: run this inside a task (FLEET_WORKSPACE) or pass --workspace")

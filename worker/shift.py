@@ -46,7 +46,8 @@ from worker.guard import GuardServer
 from worker.models import LaneHandoff, Task
 from worker.proc import process_start_time
 from worker.store.protocol import Store
-from worker.workspace import Workspace, disk_use, prepare, safe_name, workspace_for
+from worker.workspace.disk import disk_use
+from worker.workspace.folder import Workspace, prepare, safe_name, workspace_for
 
 EXIT_OK = 0
 #: the longest an idle shift waits between claims (it backs off from poll_seconds while the lane's
@@ -299,7 +300,7 @@ class Shift:
             try:
                 head = self._git_worktree(task, ws)
             except FleetError as exc:  # GitError: the repo or the mirror is unreachable, a branch diverged
-                from worker.gitws import BranchDiverged
+                from worker.workspace.git import BranchDiverged
 
                 error, lease_ = f"could not prepare the git worktree: {exc}"[:4000], task.lease_token
                 assert lease_ is not None
@@ -384,7 +385,7 @@ class Shift:
     # -- git workspaces
 
     def _mirror(self) -> Any:
-        from worker.gitws import Mirror
+        from worker.workspace.git import Mirror
 
         if self._git_mirror is None:
             assert self.lane.repo is not None
@@ -394,14 +395,14 @@ class Shift:
         return self._git_mirror
 
     def _branch(self, task: Task) -> str:
-        from worker.gitws import branch_name
+        from worker.workspace.git import branch_name
 
         return branch_name(self.lane_name, task.key)
 
     def _git_worktree(self, task: Task, ws: Workspace) -> str:
         """The task's worktree on its branch: cut from the lane's base at the first claim, reused
         (commits kept) by later attempts on this host, recreated from the pushed branch on another."""
-        from worker.gitws import ensure_task_worktree
+        from worker.workspace.git import ensure_task_worktree
 
         return str(ensure_task_worktree(self._mirror(), ws.root, self._branch(task), self.lane.base))
 
@@ -410,7 +411,7 @@ class Shift:
         work is committed first as a work-in-progress commit). Best effort: logged, never fatal."""
         if not self.lane.repo:
             return
-        from worker.gitws import commit_all, push
+        from worker.workspace.git import commit_all, push
 
         try:
             if commit_wip:

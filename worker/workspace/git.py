@@ -644,7 +644,7 @@ def remove_worktree(mirror: Mirror, path: Path) -> bool:
     prune the registrations of worktrees whose directory is gone. True if one was removed.
 
     ``git worktree remove`` deletes the directory itself; a reaper that deletes workspaces its own
-    careful way (worker.workspace.remove_workspace) calls :func:`prune` after it instead."""
+    careful way (worker.workspace.disk.remove_workspace) calls :func:`prune` after it instead."""
     path = Path(os.path.abspath(path))
     if not mirror.exists():
         return False
