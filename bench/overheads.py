@@ -155,10 +155,10 @@ CORE = ["typer", "rich.console", "rich.table", "psycopg", "psycopg_pool", "tenac
 IMPORT_STEPS = [
     ("the core: typer, rich, psycopg + pool, tenacity, pydantic, worker.config/models/store", [], CORE),
     ("+ structlog (the shift's logging; it brings rich.traceback, pygments, asyncio)", CORE, ["structlog"]),
-    ("+ worker.shift and worker.cli (executor, workspace, the worker commands)", [*CORE, "structlog"],
-     ["worker.shift", "worker.cli"]),
+    ("+ worker.shift.shift and worker.cli (executor, workspace, the worker commands)", [*CORE, "structlog"],
+     ["worker.shift.shift", "worker.cli"]),
     ("+ the rest of monitor.cli (monitor commands, dashboards, dispatch, dev-stack, keys)",
-     [*CORE, "structlog", "worker.shift", "worker.cli"], ["monitor.cli"]),
+     [*CORE, "structlog", "worker.shift.shift", "worker.cli"], ["monitor.cli"]),
     ("(PyJWT + cryptography, no longer imported by a shift)", [*CORE, "structlog", "monitor.cli"], ["jwt"]),
     ("(urllib.request, no longer imported by a shift)", [*CORE, "structlog", "monitor.cli"], ["urllib.request"]),
 ]

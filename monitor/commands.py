@@ -91,7 +91,7 @@ def run(
     from apscheduler.triggers.interval import IntervalTrigger
 
     from worker.config import cron_trigger
-    from worker.shift import configure_logging
+    from worker.shift.shift import configure_logging
 
     r = rt(ctx)
     configure_logging()

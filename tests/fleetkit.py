@@ -28,7 +28,7 @@ from psycopg.rows import dict_row
 
 from worker.config import FleetConfig, load_config
 from worker.devstack import DevStack
-from worker.shift import Shift, ShiftSummary
+from worker.shift.shift import Shift, ShiftSummary
 from worker.store.keys import mint_key
 from worker.store.postgres import PostgresStore
 from worker.store.supabase import SupabaseStore

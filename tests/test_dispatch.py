@@ -15,8 +15,8 @@ import pytest
 from fleetkit import AGENT, Backend, Fleet, lane_defaults
 
 from worker.config import FleetConfig, ProfileConfig, load_config
-from worker.dispatch import classify_gate, reset_time, resolve, usage_limit
 from worker.errors import ConfigError, InvalidInput, InvalidState
+from worker.shift.dispatch import classify_gate, reset_time, resolve, usage_limit
 
 TIERS = ["mechanical", "mid", "strong"]
 MODELS_A = {"mechanical": "a-small", "mid": "a-mid", "strong": "a-large"}

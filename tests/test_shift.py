@@ -1,6 +1,6 @@
 """Lane shifts end to end (DESIGN §4–§6): real shifts run the scripted agent against a real database.
 
-In-process shifts (:class:`worker.shift.Shift`) where no signal is needed; ``fleet shift``
+In-process shifts (:class:`worker.shift.shift.Shift`) where no signal is needed; ``fleet shift``
 subprocesses where one is (SIGTERM, SIGKILL). Every wait polls the database or /proc against a
 deadline. The agent is ``worker.example_agent``, steered by the task payload.
 """
@@ -24,7 +24,7 @@ from fleetkit import Backend, Fleet, alive, lane_defaults, pids_using, proc_chil
 
 from worker import example_agent
 from worker.agent.executor import parse_result
-from worker.shift import IDLE_CLAIM_MAX, Shift, ShiftSummary
+from worker.shift.shift import IDLE_CLAIM_MAX, Shift, ShiftSummary
 
 QUICK = {"steps": 2, "sleep": 0.05}
 

@@ -436,7 +436,7 @@ def shift(
     json_logs: Annotated[bool | None, typer.Option("--json-logs/--text-logs", help="log format (default: JSON unless a terminal)")] = None,
 ) -> None:
     """Run one shift of a lane (what cron starts): claim, run agents, hand off at exit."""
-    from worker.shift import Shift, configure_logging
+    from worker.shift.shift import Shift, configure_logging
 
     r = rt(ctx)
     r.cfg.lane(lane)  # an unknown lane is an error before anything starts
@@ -498,7 +498,8 @@ def register(root: typer.Typer) -> None:
     root.registered_commands.extend(app.registered_commands)
     root.add_typer(lanes_app, name="lanes")
     root.add_typer(db_app, name="db")
-    from worker import devstack, dispatch_cli, guard
+    from worker import devstack, dispatch_cli
+    from worker.shift import guard
     from worker.store import keys
 
     keys.register(root)

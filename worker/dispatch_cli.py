@@ -15,7 +15,7 @@ from rich.table import Table
 
 from worker.agent.executor import render_argv
 from worker.config import FleetConfig
-from worker.dispatch import lane_dispatch
+from worker.shift.dispatch import lane_dispatch
 
 console = Console()
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]

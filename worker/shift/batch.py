@@ -39,7 +39,8 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+from uuid import UUID
 
 from worker.agent.executor import (
     AgentProcess,
@@ -50,13 +51,51 @@ from worker.agent.executor import (
     render_argv,
     tail,
 )
-from worker.dispatch import classify_gate, resolve
+from worker.config import FleetConfig, LaneConfig
 from worker.errors import DatabaseUnavailable, FleetError, LeaseLost
 from worker.models import Task
-from worker.shift import Shift, _attention, _mtime, _over_budget, _size
-from worker.workspace.folder import prepare, safe_name, workspace_for
+from worker.shift.dispatch import Dispatch, classify_gate, resolve
+from worker.shift.progress import Marks, over_budget, progress_marks, waiting_for
+from worker.store.protocol import Store
+from worker.workspace.folder import Workspace, prepare, safe_name, workspace_for
+
+if TYPE_CHECKING:
+    from worker.workspace.git import Mirror
 
 INCONCLUSIVE = ("automation-broken", "capability-unavailable")
+
+
+class BatchShift(Protocol):
+    """What a batch runner uses of the shift that claimed its carrier (:class:`worker.shift.shift.Shift`)."""
+
+    @property
+    def store(self) -> Store: ...
+    @property
+    def cfg(self) -> FleetConfig: ...
+    @property
+    def lane(self) -> LaneConfig: ...
+    @property
+    def lane_name(self) -> str: ...
+    @property
+    def workspaces(self) -> Path: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def session(self) -> UUID: ...
+    @property
+    def deadline_at(self) -> datetime: ...
+    @property
+    def log(self) -> Any: ...
+    @property
+    def stop_reason(self) -> str | None: ...
+    def instructions(self) -> str: ...
+    def mirror(self) -> Mirror: ...
+    def task_budget(self, task: Task, log: Any) -> tuple[tuple[float | None, int | None], tuple[float, int]]: ...
+    def task_env(self, task: Task, ws: Workspace, d: Dispatch, *, attempt: int | None = None,
+                 lease: UUID | None = None, **extra: str) -> dict[str, str]: ...
+    def guard_env(self, lease: UUID | None) -> dict[str, str]: ...
+    def start_gate(self, ws: Workspace, env: dict[str, str], gate_log: Path) -> AgentProcess: ...
+    def count(self, outcome: str) -> None: ...
 
 
 @dataclass
@@ -70,7 +109,7 @@ class _Proc:
 class BatchRunner:
     """One claimed carrier: ``step()`` from the shift's loop until ``done``."""
 
-    shift: Shift
+    shift: BatchShift
     task: Task
     done: bool = False
     stopping: bool = False
@@ -86,7 +125,7 @@ class BatchRunner:
     spent_before: tuple[float, int] = (0.0, 0)
     usage: StreamUsage = field(default_factory=StreamUsage)
     over_budget: str | None = None
-    marks: tuple[int, float | None, float | None] = (0, None, None)  # log size, hook, checkpoint
+    marks: Marks = (0, None, None)
 
     def __post_init__(self) -> None:
         self.batch_id = int(self.task.batch_id or self.task.payload.get("batch") or 0)
@@ -105,8 +144,7 @@ class BatchRunner:
         r = self.running
         if r is None or r.kind != "agent" or self.member is None:
             return True
-        ws = self._ws(self.member)
-        marks = (_size(r.proc.log_path), _mtime(ws.fleet / "progress"), _mtime(ws.checkpoint_file))
+        marks = progress_marks(r.proc.log_path, self._ws(self.member))
         if marks == self.marks:
             return False
         self.marks = marks
@@ -116,7 +154,7 @@ class BatchRunner:
         """What the running member's agent waits for (``.fleet/attention.json``), if anything."""
         if self.running is None or self.running.kind != "agent" or self.member is None:
             return None
-        return _attention(self._ws(self.member).fleet / "attention.json")
+        return waiting_for(self._ws(self.member))
 
     def lease_gone(self, why: str) -> None:
         """The heartbeat says the carrier's lease is gone (lost, cancelled): stop, write nothing."""
@@ -172,7 +210,7 @@ class BatchRunner:
             return
         branch = integration_branch(self.batch_id)
         try:
-            head = ensure_integration_branch(self.shift._mirror(), branch, self.lane.base)
+            head = ensure_integration_branch(self.shift.mirror(), branch, self.lane.base)
         except FleetError as exc:
             self._block("automation-broken", f"could not set up the integration branch {branch}: {exc}")
             return
@@ -205,7 +243,7 @@ class BatchRunner:
         ws = self._ws(m)
         branch = member_branch(self.batch_id, m["n"], m["key"])
         try:
-            head = cut_member_branch(self.shift._mirror(), ws.root, branch, self.batch["integration_branch"])
+            head = cut_member_branch(self.shift.mirror(), ws.root, branch, self.batch["integration_branch"])
         except FleetError as exc:
             from worker.workspace.git import BranchDiverged
 
@@ -227,8 +265,8 @@ class BatchRunner:
             self.log.info("batch: member continues at its verify gate", n=m["n"], gate=m.get("gate"))
             self._start_gate(ws, env)
             return
-        self.budget, self.spent_before = self.shift._budget(member_task, self.log)
-        over = _over_budget(self.budget, *self.spent_before) if self.budget != (None, None) else None
+        self.budget, self.spent_before = self.shift.task_budget(member_task, self.log)
+        over = over_budget(self.budget, *self.spent_before) if self.budget != (None, None) else None
         if over is not None:  # never run into more spend
             self._leave_blocked("budget", over)
             return
@@ -248,7 +286,7 @@ class BatchRunner:
 
     def _env(self, member_task: Task, ws: Any) -> dict[str, str]:
         # the member runs under the carrier's claim: its attempt, and `fleet guard` checks its lease
-        return self.shift._task_env(member_task, ws, self._dispatch(member_task), attempt=self.task.attempts,
+        return self.shift.task_env(member_task, ws, self._dispatch(member_task), attempt=self.task.attempts,
                                     lease=self.token, FLEET_BATCH_ID=str(self.batch_id),
                                     FLEET_BATCH_CARRIER=str(self.task.id), FLEET_GUARD_TASK=str(self.task.id))
 
@@ -260,7 +298,7 @@ class BatchRunner:
 
     def _start_gate(self, ws: Any, env: dict[str, str]) -> None:
         assert self.member is not None
-        self.running = _Proc("gate", self.shift._start_gate(ws, env, self._log_path(self.member, "gate")),
+        self.running = _Proc("gate", self.shift.start_gate(ws, env, self._log_path(self.member, "gate")),
                              until=time.monotonic() + self.lane.verify_timeout)
         self.log.info("batch member's verify gate started", n=self.member["n"])
 
@@ -269,7 +307,7 @@ class BatchRunner:
         assert r is not None
         if r.kind == "agent" and self.budget != (None, None) and self.over_budget is None:
             self.usage.read(r.proc.log_path)
-            over = _over_budget(self.budget, self.spent_before[0] + self.usage.cost_usd,
+            over = over_budget(self.budget, self.spent_before[0] + self.usage.cost_usd,
                                 self.spent_before[1] + self.usage.tokens)
             if over is not None:
                 self.over_budget = over
@@ -286,7 +324,7 @@ class BatchRunner:
         r.proc.release()
         self.running = None
         if self.stopping and code != 0:
-            self._hand_off(f"shift ended during the batch's {r.kind} ({self.shift._stop_reason})")
+            self._hand_off(f"shift ended during the batch's {r.kind} ({self.shift.stop_reason})")
             return
         getattr(self, f"_after_{r.kind}")(r, code, timed_out)
 
@@ -316,7 +354,7 @@ class BatchRunner:
         self._call("batch_member_gate", p_n=m["n"], p_gate="pending", p_usage=usage)
         m["gate"] = "pending"
         if self.stopping:  # the next shift runs the gate
-            self._hand_off(f"shift ended after member {m['n']}'s agent ({self.shift._stop_reason})")
+            self._hand_off(f"shift ended after member {m['n']}'s agent ({self.shift.stop_reason})")
         elif self.lane.verify:
             member_task = self.shift.store.get_task(int(m["task_id"]))
             ws = self._ws(m)
@@ -367,7 +405,7 @@ class BatchRunner:
         assert m is not None
         branch = m.get("branch") or member_branch(self.batch_id, m["n"], m["key"])
         try:
-            res = land_ff_only(self.shift._mirror(), branch, self.batch["integration_branch"], cut=m.get("cut_sha"))
+            res = land_ff_only(self.shift.mirror(), branch, self.batch["integration_branch"], cut=m.get("cut_sha"))
         except LandingFailed as exc:
             self._block("landing-failed", f"{exc.message}" + (f" ({exc.hint})" if exc.hint else ""), m["n"])
             return
@@ -385,7 +423,7 @@ class BatchRunner:
         from worker.workspace.git import remove_worktree
 
         try:
-            remove_worktree(self.shift._mirror(), self._ws(m).root)
+            remove_worktree(self.shift.mirror(), self._ws(m).root)
             self._call("batch_member_torn_down", p_n=m["n"])
         except FleetError as exc:  # a worktree left behind is the reaper's; never fatal
             if isinstance(exc, LeaseLost):
@@ -398,7 +436,7 @@ class BatchRunner:
         from worker.workspace.git import ensure_task_worktree
 
         ws = workspace_for(self.shift.workspaces, self.shift.lane_name, f"batch-{self.batch_id}")
-        ensure_task_worktree(self.shift._mirror(), ws.root, self.batch["integration_branch"], self.lane.base)
+        ensure_task_worktree(self.shift.mirror(), ws.root, self.batch["integration_branch"], self.lane.base)
         return ws
 
     def _landed_keys(self) -> list[str]:
@@ -410,7 +448,7 @@ class BatchRunner:
             "FLEET_BATCH_BRANCH": str(self.batch["integration_branch"]),
             "FLEET_BATCH_MEMBERS": " ".join(self._landed_keys()),
             "FLEET_TASK_ID": str(self.task.id), "FLEET_TASK_KEY": self.task.key, "FLEET_GUARD_TASK": str(self.task.id),
-            **self.shift._guard.agent_env(self.token, os.environ.get("PATH")),
+            **self.shift.guard_env(self.token),
         })
 
     def _tail(self) -> None:
@@ -482,10 +520,10 @@ class BatchRunner:
         }
         self._call("batch_finish", p_report=report)
         self.log.info("batch done", landed=report["landed"], evicted=report["evicted"])
-        self.shift._count("done")
+        self.shift.count("done")
         ws = workspace_for(self.shift.workspaces, self.shift.lane_name, f"batch-{self.batch_id}")
         try:
-            remove_worktree(self.shift._mirror(), ws.root)
+            remove_worktree(self.shift.mirror(), ws.root)
         except FleetError as exc:
             self.log.warning("could not remove the integration branch's worktree", error=str(exc))
         self.done = True
@@ -495,7 +533,7 @@ class BatchRunner:
     def _block(self, reason: str, evidence: str, n: int | None = None) -> None:
         self._call("batch_block", p_reason=reason, p_evidence=evidence[-4000:], p_n=n)
         self.log.warning("batch blocked", reason=reason, n=n, evidence=evidence[-300:])
-        self.shift._count("blocked")
+        self.shift.count("blocked")
         self.done = True
 
     def _hand_off(self, why: str) -> None:
@@ -508,9 +546,9 @@ class BatchRunner:
             try:
                 ws = self._ws(m)
                 if (ws.root / ".git").exists():
-                    commit_all(self.shift._mirror(), ws.root,
+                    commit_all(self.shift.mirror(), ws.root,
                                f"lanefleet: work in progress of {m['key']} at hand-off (batch {self.batch_id})")
-                push(self.shift._mirror(), m["branch"])
+                push(self.shift.mirror(), m["branch"])
             except FleetError as exc:
                 self.log.warning("could not push the member's branch", error=str(exc))
         snap = {"reason": why, "batch": self.batch_id, "n": m["n"] if m else None, "state": self.state,
@@ -518,5 +556,5 @@ class BatchRunner:
                 "shift_session": str(self.shift.session)}
         state = self.shift.store.hand_off(self.task.id, self.token, json.loads(json.dumps(snap, default=str)))
         self.log.info("batch handed off", state=state, n=snap["n"])
-        self.shift._count("handed_off")
+        self.shift.count("handed_off")
         self.done = True

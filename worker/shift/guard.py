@@ -303,7 +303,7 @@ def guard(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no message when refused (still exit 77)")] = False,
     timeout: Annotated[float, typer.Option("--timeout", envvar="FLEET_GUARD_TIMEOUT", min=0.1,
                                            help="seconds to wait for the shift's answer")] = 20.0,
-    # FLEET_GUARD_TASK first: in a batch member, the lease is the carrier's (worker.batch)
+    # FLEET_GUARD_TASK first: in a batch member, the lease is the carrier's (worker.shift.batch)
     task: Annotated[str | None, typer.Option("--task", envvar=["FLEET_GUARD_TASK", "FLEET_TASK_ID"],
                                              help="the task (set by the shift)")] = None,
     token: Annotated[str | None, typer.Option("--token", envvar="FLEET_LEASE_TOKEN",

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import structlog
@@ -40,14 +40,19 @@ from worker.agent.executor import (
     tail,
 )
 from worker.config import FleetConfig, LaneConfig
-from worker.dispatch import Dispatch, banner, classify_gate, resolve, usage_limit
 from worker.errors import DatabaseUnavailable, FleetError, LeaseLost, SessionLost
-from worker.guard import GuardServer
 from worker.models import LaneHandoff, Task
 from worker.proc import process_start_time
+from worker.shift.batch import BatchRunner
+from worker.shift.dispatch import Dispatch, banner, classify_gate, resolve, usage_limit
+from worker.shift.guard import GuardServer
+from worker.shift.progress import Marks, over_budget, progress_marks, waiting_for
 from worker.store.protocol import Store
 from worker.workspace.disk import disk_use
 from worker.workspace.folder import Workspace, prepare, safe_name, workspace_for
+
+if TYPE_CHECKING:
+    from worker.workspace.git import Mirror
 
 EXIT_OK = 0
 #: the longest an idle shift waits between claims (it backs off from poll_seconds while the lane's
@@ -76,7 +81,7 @@ class Job:
     spent_before: tuple[float, int] = (0.0, 0)  # the task's earlier runs: cost, tokens
     budget: tuple[float | None, int | None] = (None, None)  # the task's: max cost, max tokens
     over_budget: str | None = None  # why the shift stopped the agent for its budget
-    progress_marks: tuple[int, float | None, float | None] = (0, None, None)  # log size, hook, checkpoint
+    progress_marks: Marks = (0, None, None)
 
     @property
     def token(self) -> UUID:
@@ -127,8 +132,8 @@ class Shift:
         self.heartbeat_every = max(0.5, self.lane.lease_seconds / 3)
         self.workspaces = cfg.path(cfg.fleet.workspaces)
         self.jobs: dict[int, Job] = {}
-        # claimed batch carriers (task kind 'batch'), each run by its state machine (worker.batch)
-        self.batches: dict[int, Any] = {}
+        # claimed batch carriers (task kind 'batch'), each run by its state machine (worker.shift.batch)
+        self.batches: dict[int, BatchRunner] = {}
         # final calls (complete, fail, ...) that hit a connection failure: retried each loop until
         # answered; a retry is safe because the lease token fences it. Each keeps its slot busy.
         self.pending: dict[int, tuple[Callable[[], str], str]] = {}
@@ -138,7 +143,7 @@ class Shift:
         self._lost = False
         self.log = structlog.get_logger("lanefleet.shift").bind(lane=lane)
         self._instructions: str | None = None
-        self._git_mirror: Any = None
+        self._git_mirror: Mirror | None = None
         self._lane_handoff: LaneHandoff | None = None
         # idle back-off: after an empty claim the next waits claim_delay (doubling from poll_seconds
         # up to IDLE_CLAIM_MAX) unless a slot was freed since (fewer busy than at that claim)
@@ -147,6 +152,11 @@ class Shift:
         self._busy_at_empty = 0
 
     # -- signals
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the shift is ending (deadline, task-budget, idle, SIGTERM, ...); None while it runs."""
+        return self._stop_reason
 
     def request_stop(self, reason: str) -> None:
         if self._stop_reason is None:
@@ -275,9 +285,7 @@ class Shift:
         return self._instructions
 
     def _start(self, task: Task) -> None:
-        if task.kind == "batch":  # a batch carrier: its members run one after another (worker.batch)
-            from worker.batch import BatchRunner
-
+        if task.kind == "batch":  # a batch carrier: its members run one after another (worker.shift.batch)
             self.batches[task.id] = BatchRunner(self, task)
             self.log.info("batch claimed", task=task.id, batch=task.batch_id, attempt=task.attempts)
             return
@@ -287,9 +295,9 @@ class Shift:
         log_path = self.workspaces / self.lane_name / "logs" / f"{task.id}-{safe_name(task.key)}-a{task.attempts}-{stamp}.log"
         d = resolve(self.cfg, self.lane_name, task.run_profile, task.tier, task.pool)
         gate_only = task.verify_pending and bool(self.lane.verify)
-        budget, spent_before = self._budget(task, log)
+        budget, spent_before = self.task_budget(task, log)
         if budget != (None, None):
-            over = _over_budget(budget, *spent_before)
+            over = over_budget(budget, *spent_before)
             if over is not None:  # never retried into more spend
                 lease = task.lease_token
                 assert lease is not None
@@ -318,9 +326,9 @@ class Shift:
             prepare(ws, task, instructions=self.instructions(), lane_handoff=self._lane_handoff,
                     hidden_sets=self.lane.hidden_files, shift_deadline=self.deadline_at)
             self._touch_workspace(task, ws)
-            env = self._task_env(task, ws, d)
+            env = self.task_env(task, ws, d)
             if gate_only:
-                agent = self._start_gate(ws, env, _gate_log(log_path))
+                agent = self.start_gate(ws, env, _gate_log(log_path))
             else:
                 values = {"prompt_file": str(ws.prompt_file), "workspace": str(ws.root),
                           "model": d.model or "", "task_id": str(task.id),
@@ -346,7 +354,7 @@ class Shift:
         else:
             log.info("agent started", pid=agent.pid, log=str(log_path), dispatch=d.describe())
 
-    def _budget(self, task: Task, log: Any) -> tuple[tuple[float | None, int | None], tuple[float, int]]:
+    def task_budget(self, task: Task, log: Any) -> tuple[tuple[float | None, int | None], tuple[float, int]]:
         """The task's budget (its own, else the lane's: max cost, max tokens) and what its earlier
         runs spent (cost, tokens; read only when there is a budget)."""
         budget = (float(task.max_cost_usd) if task.max_cost_usd is not None else self.lane.max_cost_usd,
@@ -359,8 +367,8 @@ class Shift:
                 log.warning("could not read the task's spend; its budget counts this run only", error=str(exc))
         return budget, spent
 
-    def _task_env(self, task: Task, ws: Workspace, d: Dispatch, *, attempt: int | None = None,
-                  lease: UUID | None = None, **extra: str) -> dict[str, str]:
+    def task_env(self, task: Task, ws: Workspace, d: Dispatch, *, attempt: int | None = None,
+                 lease: UUID | None = None, **extra: str) -> dict[str, str]:
         """An agent's (or a gate's) environment. ``attempt`` and ``lease``: the task's own unless
         given (a batch member runs under its carrier's claim); ``extra``: more FLEET_* variables."""
         return agent_env(os.environ, {
@@ -368,12 +376,16 @@ class Shift:
             "FLEET_ATTEMPT": str(task.attempts if attempt is None else attempt), "FLEET_WORKSPACE": str(ws.root),
             "FLEET_MODEL": d.model or "", "FLEET_TIER": d.tier or "", "FLEET_PROFILE": d.profile or "",
             "FLEET_AGENT_SESSION": task.agent_session or "",
-            # FLEET_GUARD_SOCKET, FLEET_LEASE_TOKEN; FLEET_BIN and PATH with `fleet` first on it
-            **self._guard.agent_env(task.lease_token if lease is None else lease, os.environ.get("PATH")),
+            **self.guard_env(task.lease_token if lease is None else lease),
             **extra,
         })
 
-    def _start_gate(self, ws: Workspace, env: dict[str, str], gate_log: Path) -> AgentProcess:
+    def guard_env(self, lease: UUID | None) -> dict[str, str]:
+        """What an agent's environment gets from this shift's guard for ``lease`` (FLEET_GUARD_SOCKET,
+        FLEET_LEASE_TOKEN, FLEET_BIN and PATH with ``fleet`` first on it)."""
+        return self._guard.agent_env(lease, os.environ.get("PATH"))
+
+    def start_gate(self, ws: Workspace, env: dict[str, str], gate_log: Path) -> AgentProcess:
         """The lane's verify gate in the workspace, under a supervisor like an agent (it dies with
         the shift), writing to ``gate_log``."""
         assert self.lane.verify is not None
@@ -384,7 +396,8 @@ class Shift:
 
     # -- git workspaces
 
-    def _mirror(self) -> Any:
+    def mirror(self) -> Mirror:
+        """This host's mirror of the lane's repository (made at the first use)."""
         from worker.workspace.git import Mirror
 
         if self._git_mirror is None:
@@ -404,7 +417,7 @@ class Shift:
         (commits kept) by later attempts on this host, recreated from the pushed branch on another."""
         from worker.workspace.git import ensure_task_worktree
 
-        return str(ensure_task_worktree(self._mirror(), ws.root, self._branch(task), self.lane.base))
+        return str(ensure_task_worktree(self.mirror(), ws.root, self._branch(task), self.lane.base))
 
     def _git_push(self, job: Job, *, commit_wip: bool) -> None:
         """Push the task's branch so another host can continue from it (at a hand-off, uncommitted
@@ -415,9 +428,9 @@ class Shift:
 
         try:
             if commit_wip:
-                commit_all(self._mirror(), job.ws.root,
+                commit_all(self.mirror(), job.ws.root,
                            f"lanefleet: work in progress of {job.task.key} at hand-off (attempt {job.task.attempts})")
-            sha = push(self._mirror(), self._branch(job.task))
+            sha = push(self.mirror(), self._branch(job.task))
             self.log.info("branch pushed", task=job.task.id, branch=self._branch(job.task), head=str(sha)[:12])
         except FleetError as exc:
             self.log.warning("could not push the task's branch", task=job.task.id, error=str(exc))
@@ -439,7 +452,7 @@ class Shift:
         except FleetError as exc:
             self.log.warning("could not record the run", task=job.task.id, error=str(exc))
 
-    def _count(self, outcome: str) -> None:
+    def count(self, outcome: str) -> None:
         self.summary.outcomes[outcome] = self.summary.outcomes.get(outcome, 0) + 1
 
     def _call(self, task_id: int, fn: Callable[[], str], outcome: str, *, retry: bool = False) -> str | None:
@@ -453,13 +466,13 @@ class Shift:
                 self.log.info("pending call answered: lease already gone", task=task_id, error=str(exc))
             else:
                 self.log.warning("lease lost; result dropped", task=task_id, error=str(exc))
-            self._count("lease_lost")
+            self.count("lease_lost")
             return None
         except DatabaseUnavailable as exc:
             self.log.warning("final call failed; will retry", task=task_id, outcome=outcome, error=str(exc))
             self.pending[task_id] = (fn, outcome)
             return None
-        self._count(outcome)
+        self.count(outcome)
         return str(state)
 
     def _retry_pending(self) -> None:
@@ -519,7 +532,7 @@ class Shift:
     def _check_budget(self, job: Job) -> None:
         if job.over_budget is not None or job.killed is not None or job.budget == (None, None):
             return
-        over = _over_budget(job.budget, job.spent_before[0] + job.usage.cost_usd,
+        over = over_budget(job.budget, job.spent_before[0] + job.usage.cost_usd,
                             job.spent_before[1] + job.usage.tokens)
         if over is not None:
             job.over_budget = over
@@ -552,12 +565,12 @@ class Shift:
         self._record(job, report)  # tokens count even when the lease is gone
         if job.killed is not None:
             log.info("agent ended after its lease was gone", reason=job.killed)
-            self._count(job.killed)
+            self.count(job.killed)
             return
         self._store_checkpoint(job)
         if job.killed is not None:  # the checkpoint found the lease gone
             log.info("agent ended after its lease was gone", reason=job.killed)
-            self._count(job.killed)
+            self.count(job.killed)
             return
         self._touch_workspace(task, job.ws)  # while the lease still holds: before the final call
         tid, token = task.id, job.token
@@ -597,7 +610,7 @@ class Shift:
         elif self.lane.verify and job.ws.read_route() is None:
             # exit 0: the gate decides; the job keeps its slot while the gate runs
             try:
-                job.agent = self._start_gate(job.ws, self._task_env(task, job.ws, job.dispatch),
+                job.agent = self.start_gate(job.ws, self.task_env(task, job.ws, job.dispatch),
                                              _gate_log(job.log_path))
             except OSError as exc:
                 self._end_gate(job, "automation-broken", f"the gate could not be started: {exc}")
@@ -631,7 +644,7 @@ class Shift:
         job.agent.release()
         if job.killed is not None:
             self.log.info("gate ended after its lease was gone", task=job.task.id, reason=job.killed)
-            self._count(job.killed)
+            self.count(job.killed)
             return
         self._touch_workspace(job.task, job.ws)
         if job.stopping and code != 0:  # the shift ended under the gate: the next shift re-runs it
@@ -674,11 +687,11 @@ class Shift:
         progressed: list[int] = []
         attention: dict[int, str] = {}
         for task_id, job in self.jobs.items():
-            marks = (_size(job.agent.log_path), _mtime(job.ws.fleet / "progress"), _mtime(job.ws.checkpoint_file))
+            marks = progress_marks(job.agent.log_path, job.ws)
             if marks != job.progress_marks or job.gate_until is not None:
                 progressed.append(task_id)
                 job.progress_marks = marks
-            waiting = _attention(job.ws.fleet / "attention.json")
+            waiting = waiting_for(job.ws)
             if waiting:
                 attention[task_id] = waiting
         return progressed, attention
@@ -769,45 +782,6 @@ class Shift:
 def _gate_log(log_path: Path) -> Path:
     """The verify gate's log beside its run's."""
     return log_path.with_name(log_path.stem + "-gate.log")
-
-
-def _over_budget(budget: tuple[float | None, int | None], cost: float, tokens: int) -> str | None:
-    max_cost, max_tokens = budget
-    if max_cost is not None and cost >= max_cost:
-        return f"spent ${cost:.4f} of the task's ${max_cost:.4f} budget ({tokens:,} tokens)"
-    if max_tokens is not None and tokens >= max_tokens:
-        return f"spent {tokens:,} tokens of the task's {max_tokens:,} budget (${cost:.4f})"
-    return None
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def _mtime(path: Path) -> float | None:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return None
-
-
-def _attention(path: Path) -> str | None:
-    """What an agent waits for, from ``.fleet/attention.json`` (a Notification hook's JSON, whose
-    ``message`` says it, or plain text); None when there is no such file."""
-    try:
-        text = path.read_text(errors="replace").strip()
-    except OSError:
-        return None
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return text[:500] or "waiting for input"
-    if isinstance(data, dict):
-        return str(data.get("message") or data.get("title") or "waiting for input")[:500]
-    return str(data)[:500]
 
 
 def lane_handoff_markdown(h: LaneHandoff) -> str:
