@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 DEFAULT_URL = os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-AGENT = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+AGENT = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]
 
 T = TypeVar("T")
 

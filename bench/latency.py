@@ -19,7 +19,7 @@ The back-ends:
 - ``supabase``: worker.store.supabase.SupabaseStore, supabase-py → nginx ``/rest/v1`` → PostgREST
   12 (its default pool of 10 connections) → the SECURITY DEFINER functions, with a lane-scoped
   worker key: a real ``fleet dev-stack``, started fresh under .fleet/bench-latency-stack and
-  deleted afterwards (see worker/devstack.py).
+  deleted afterwards (see worker/dev/devstack.py).
 
 Correctness is asserted: every claimed task was completed once (done, one attempt, one run) and
 no claim came back empty. Times are printed, never asserted. Last, the cost of one bare round
@@ -198,7 +198,7 @@ def main() -> int:
             run("postgres (PG 15, fsync on)", {"kind": "postgres", "url": url}, url)
             pool_check(url)
     if "stack" in backends or "supabase" in backends:
-        from worker import devstack
+        from worker.dev import devstack
         from worker.store.keys import mint_key
 
         t0 = time.monotonic()

@@ -5,7 +5,7 @@
 
 Everything runs the real ``fleet shift`` in a fresh interpreter (``python -m monitor.cli shift``,
 what cron starts) against a scratch database on --url, with the scripted agent
-``worker.example_agent`` as the lane's command.
+``worker.dev.example_agent`` as the lane's command.
 
 1. Start to first claim. One ready task; a ``fleet shift --once --max-tasks 1`` is spawned and the
    wall clock runs from just before the spawn to the ``claimed`` event of that task in

@@ -35,7 +35,7 @@ from test_sql_api import (
     task,
 )
 
-from worker.devstack import DevStack
+from worker.dev.devstack import DevStack
 from worker.errors import InvalidInput, LaneForbidden, UnknownLane
 from worker.store.postgres import PostgresStore
 
@@ -566,10 +566,10 @@ def test_prepared_statements_stay_on_unless_a_pooler(db_url: str) -> None:
 
 FLEET_TOML = """\
 [lanes.docs]
-command = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+command = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]
 
 [lanes.review]
-command = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+command = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]
 """
 
 

@@ -32,11 +32,11 @@ from worker.store.sync import lane_settings
 
 FLEET_TOML = """\
 [lanes.docs]
-command = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+command = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]
 max_running = 2
 
 [lanes.review]
-command = "python -m worker.example_agent {prompt_file}"
+command = "python -m worker.dev.example_agent {prompt_file}"
 max_running = 1
 accepts_from = ["docs"]
 """

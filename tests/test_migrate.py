@@ -193,7 +193,7 @@ def test_work_on_a_newer_database_is_refused_unless_allowed(
         c.execute("insert into supabase_migrations.schema_migrations (version, statements, name)"
                   " values ('20991231000000', '{}', 'fleet_from_the_future')")
     (tmp_path / "fleet.toml").write_text(
-        '[lanes.docs]\ncommand = ["python", "-m", "worker.example_agent", "{prompt_file}"]\n')
+        '[lanes.docs]\ncommand = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
     env.update({"DATABASE_URL": empty_db_url, "FLEET_CONFIG": str(tmp_path / "fleet.toml"), "COLUMNS": "200"})
 

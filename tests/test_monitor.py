@@ -35,7 +35,7 @@ from worker.store.postgres import PostgresStore
 from worker.store.sync import sync_config
 
 ROOT = Path(__file__).resolve().parents[1]
-AGENT = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+AGENT = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]
 HANG = {"mode": "hang"}
 
 T = TypeVar("T")

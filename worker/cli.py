@@ -498,7 +498,8 @@ def register(root: typer.Typer) -> None:
     root.registered_commands.extend(app.registered_commands)
     root.add_typer(lanes_app, name="lanes")
     root.add_typer(db_app, name="db")
-    from worker import devstack, dispatch_cli
+    from worker import dispatch_cli
+    from worker.dev import devstack
     from worker.shift import guard
     from worker.store import keys
 

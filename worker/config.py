@@ -256,7 +256,7 @@ def cron_trigger(expr: str) -> Any:
 
 
 def _example_lanes() -> dict[str, Any]:
-    agent = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+    agent = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]
     common = {"command": agent, "lease_seconds": 30, "cron": "*/10 * * * *", "backoff_base_seconds": 2,
               "backoff_max_seconds": 60, "grace_seconds": 3}
     return {

@@ -437,7 +437,7 @@ def test_chaos(tmp_path: Path) -> None:
             f"[fleet]\nworkspaces = {json.dumps(str(workspaces))}\nhome = {json.dumps(str(tmp_path / 'home'))}\n"
             "monitor_every = \"1s\"\n\n"
             f"[lanes.{LANE}]\n"
-            'command = ["python", "-m", "worker.example_agent", "{prompt_file}"]\n'
+            'command = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]\n'
             f"lease_seconds = {LEASE_SECONDS}\nmax_attempts = {MAX_ATTEMPTS}\nmax_handoffs = 50\n"
             f"backoff_base_seconds = 0\ngrace_seconds = {GRACE_SECONDS}\nmax_running = {MAX_RUNNING}\n"
         )

@@ -1,4 +1,4 @@
-"""``fleet dev-stack`` (worker/devstack.py): loopback only, reuse, stop by pid, restart on its data."""
+"""``fleet dev-stack`` (worker/dev/devstack.py): loopback only, reuse, stop by pid, restart on its data."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import typer
 from supabase_stack import CACHE, client, key, stack_home
 from typer.testing import CliRunner
 
-from worker import devstack
-from worker.devstack import DevStack
+from worker.dev import devstack
+from worker.dev.devstack import DevStack
 
 
 def listening(port: int) -> set[str]:

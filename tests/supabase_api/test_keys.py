@@ -11,7 +11,7 @@ import typer
 from supabase_stack import client, sql
 from typer.testing import CliRunner
 
-from worker.devstack import DevStack
+from worker.dev.devstack import DevStack
 from worker.errors import ConfigError, InvalidInput
 from worker.store import keys
 

@@ -16,8 +16,8 @@ import psycopg
 import pytest
 from supabase_stack import stack_home
 
-from worker import devstack
 from worker.db.migrate import migrate
+from worker.dev import devstack
 
 API = {"enqueue_task", "enqueue", "enqueue_after", "open_session", "claim", "heartbeat", "checkpoint", "complete",
        "fail", "hand_off", "route", "record_run", "close_session", "cancel", "retry", "sync_lane", "reconcile",

@@ -19,7 +19,7 @@ import pytest
 from fleetkit import Backend, Fleet, alive, lane_defaults, pids_using
 
 from monitor.reconcile import host_checks
-from worker.devstack import DevStack
+from worker.dev.devstack import DevStack
 from worker.errors import LaneForbidden
 from worker.store.supabase import AccessDenied
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from supabase_stack import key, sql, store
 
-from worker.devstack import DevStack, free_port
+from worker.dev.devstack import DevStack, free_port
 from worker.errors import (
     ConfigError,
     DatabaseUnavailable,

@@ -1,6 +1,6 @@
 """A scripted agent that behaves like a coding agent, for ``fleet up --demo`` and the tests.
 
-``python -m worker.example_agent PROMPT_FILE``, run by a shift in a task workspace. It reads its
+``python -m worker.dev.example_agent PROMPT_FILE``, run by a shift in a task workspace. It reads its
 prompt, works in steps (sleeping), checkpoints after each step to ``.fleet/checkpoint.json`` and
 resumes from it, prints Claude-Code style stream-json (an init record, assistant turns and a
 final ``result`` record with ``modelUsage`` for a main model and a sub-agent), and exits.
@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
     if len(argv) == 3 and argv[1] == "--model":
         model = argv[2] or model
     elif len(argv) != 1:
-        print("usage: python -m worker.example_agent PROMPT_FILE [--model M]", file=sys.stderr)
+        print("usage: python -m worker.dev.example_agent PROMPT_FILE [--model M]", file=sys.stderr)
         return 2
     prompt = Path(argv[0]).read_text()
     fleet = Path(".fleet")
