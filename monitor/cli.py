@@ -13,13 +13,30 @@ from rich.markup import escape
 
 from monitor import commands as monitor_commands
 from monitor import dashboards, workspaces_cli
-from worker import cli as worker_cli
+from worker.cli import batch, db, devstack, dispatch, guard, keys, migrate, review, shift, tasks
+from worker.cli.context import err_console, root_callback
 from worker.errors import FleetError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="lanefleet: a Postgres-backed, multi-lane task queue for fleets of agent workers.")
-app.callback()(worker_cli.root_callback)
-worker_cli.register(app)
+app.callback()(root_callback)
+
+# the worker side
+for command in (migrate.migrate, tasks.enqueue, tasks.tasks, tasks.show, tasks.cancel, tasks.retry,
+                shift.shift, shift.checkpoint):
+    app.command()(command)
+app.add_typer(migrate.lanes_app, name="lanes")
+app.add_typer(db.db_app, name="db")
+app.add_typer(keys.app, name="keys")
+app.add_typer(devstack.app, name="dev-stack")
+app.command("profiles")(dispatch.profiles)
+app.command("resume")(tasks.resume)
+app.add_typer(review.review_app, name="review")
+app.add_typer(batch.batch_app, name="batch")
+# options end at CMD: `fleet guard git push -f` passes -f to git
+app.command("guard", context_settings={"allow_interspersed_args": False})(guard.guard)
+
+# the monitor side
 monitor_commands.register(app)
 dashboards.register(app)
 workspaces_cli.register(app)
@@ -32,7 +49,7 @@ def main() -> None:
         # one line (a driver message can span several); it may quote user input ("[/x]"):
         # escape it, or rich reads it as markup
         message = " ".join(str(exc).split())
-        worker_cli.err_console.print(f"[red]error:[/] {escape(message)}", highlight=False,
+        err_console.print(f"[red]error:[/] {escape(message)}", highlight=False,
                                      soft_wrap=True)
         sys.exit(1)
 

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from monitor.host import ShiftLauncher, crontab_lines, shift_env
 from monitor.reconcile import monitor_pass
-from worker.cli import JsonOpt, console, err_console, rt
+from worker.cli.context import JsonOpt, console, err_console, rt
 from worker.config import env_settings, parse_duration
 from worker.db.migrate import migrate as run_migrations
 from worker.errors import FleetError, InvalidInput

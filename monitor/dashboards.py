@@ -37,7 +37,7 @@ from rich.table import Table
 from rich.text import Text
 
 from monitor.commands import flag_duration
-from worker.cli import JsonOpt, console, rt
+from worker.cli.context import JsonOpt, console, rt
 from worker.errors import DatabaseUnavailable, FleetError, InvalidInput, UnknownLane
 from worker.store.postgres import PostgresStore, translate
 from worker.store.reads import load_queries

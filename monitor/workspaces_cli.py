@@ -16,7 +16,7 @@ import typer
 from rich.table import Table
 
 from monitor.dashboards import jsonable
-from worker.cli import JsonOpt, console, rt
+from worker.cli.context import JsonOpt, console, rt
 
 
 def human_bytes(n: int | float | None) -> str:

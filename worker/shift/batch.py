@@ -52,7 +52,7 @@ from worker.agent.executor import (
     tail,
 )
 from worker.config import FleetConfig, LaneConfig
-from worker.errors import DatabaseUnavailable, FleetError, LeaseLost
+from worker.errors import ConfigError, DatabaseUnavailable, FleetError, LeaseLost
 from worker.models import Task
 from worker.shift.dispatch import Dispatch, classify_gate, resolve
 from worker.shift.progress import Marks, over_budget, progress_marks, waiting_for
@@ -63,6 +63,15 @@ if TYPE_CHECKING:
     from worker.workspace.git import Mirror
 
 INCONCLUSIVE = ("automation-broken", "capability-unavailable")
+
+
+def require_repo(cfg: FleetConfig, lane: str) -> None:
+    """A batch lands its members on a git integration branch: refuse a configured lane without a
+    ``repo`` (a lane the config does not know is the database's to refuse)."""
+    lane_cfg = cfg.lanes.get(lane)
+    if lane_cfg is not None and not lane_cfg.repo:
+        raise ConfigError(f"lane {lane} has no `repo`: a batch lands its members on a git integration branch",
+                          f"set [lanes.{lane}] repo = \"<path or URL>\" (and base) in fleet.toml")
 
 
 class BatchShift(Protocol):

@@ -17,9 +17,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Literal
+from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from worker.agent.executor import render_argv
 from worker.config import DEFAULT_LIMIT_PATTERNS, FleetConfig, ProfileConfig
 
 GateOutcome = Literal["ok", "task-failed", "automation-broken", "capability-unavailable"]
@@ -210,3 +211,29 @@ def classify_gate(code: int | None, output: str, *, timed_out: bool = False) -> 
         return "automation-broken", f"the gate exited {code} without any output: no evidence the work is wrong"
     return "task-failed", evidence
 
+
+#: what ``fleet profiles`` shows for what a spawn fills in (the prompt file and workspace are per
+#: task, the session per attempt)
+SAMPLE_VALUES = {"prompt_file": "<prompt_file>", "workspace": "<workspace>", "task_id": "<task_id>",
+                 "agent_session": "<agent_session>"}
+
+
+def resolved(cfg: FleetConfig) -> dict[str, Any]:
+    """``fleet profiles``: profiles with each tier's argv, and per lane the dispatch of each pool and tier in order."""
+    profiles = []
+    for name, p in cfg.profiles.items():
+        tiers = sorted({*p.models, *(t for lane in cfg.lanes.values() for t in lane.tiers)})
+        profiles.append({
+            "name": name, "pool": p.pool, "slots": cfg.pools[p.pool].slots if p.pool else None,
+            "command": p.command, "models": p.models, "default_model": p.model,
+            "limit_patterns": p.limit_patterns, "limit_exit_codes": p.limit_exit_codes,
+            "throttle_backoff_seconds": p.throttle_backoff,
+            "tiers": {t: {"model": p.model_for(t), "argv": render_argv(p.command, {**SAMPLE_VALUES, "model": p.model_for(t) or ""})}
+                      for t in tiers if p.model_for(t)},
+        })
+    lanes = {}
+    for name in cfg.lanes:
+        lanes[name] = [{"pool": d.pool, "profile": d.profile, "tier": d.tier, "model": d.model,
+                        "argv": render_argv(d.command, {**SAMPLE_VALUES, "model": d.model or ""})}
+                       for d in lane_dispatch(cfg, name)]
+    return {"profiles": profiles, "lanes": lanes}

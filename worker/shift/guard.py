@@ -41,11 +41,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import Any, cast
 from uuid import UUID
 
 import structlog
-import typer
 
 from worker.store.protocol import Store
 
@@ -297,64 +296,48 @@ def refusal(answer: dict[str, Any]) -> str:
     return f"lease lost: the task is {state} now"
 
 
-def guard(
-    cmd: Annotated[list[str], typer.Argument(metavar="CMD", show_default=False,
-                                             help="the command and its arguments, after --")],
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no message when refused (still exit 77)")] = False,
-    timeout: Annotated[float, typer.Option("--timeout", envvar="FLEET_GUARD_TIMEOUT", min=0.1,
-                                           help="seconds to wait for the shift's answer")] = 20.0,
-    # FLEET_GUARD_TASK first: in a batch member, the lease is the carrier's (worker.shift.batch)
-    task: Annotated[str | None, typer.Option("--task", envvar=["FLEET_GUARD_TASK", "FLEET_TASK_ID"],
-                                             help="the task (set by the shift)")] = None,
-    token: Annotated[str | None, typer.Option("--token", envvar="FLEET_LEASE_TOKEN",
-                                              help="its lease token (set by the shift)")] = None,
-    socket_path: Annotated[str | None, typer.Option("--socket", envvar="FLEET_GUARD_SOCKET",
-                                                    help="the shift's guard socket (set by the shift)")] = None,
-) -> None:
-    """For agents: run CMD only if this task's lease still holds (asked of the database now);
-    else refuse with exit 77. Wrap what cannot be undone: `fleet guard -- git push`."""
+def run_guarded(cmd: list[str], *, task: str | None, token: str | None, socket_path: str | None,
+                timeout: float, quiet: bool) -> int:
+    """``fleet guard``: run CMD in this process (it never returns then) if the shift's guard says
+    the task's lease holds; else the exit code to end with (77, and one line on stderr unless
+    ``quiet``; 127 or 126 when CMD cannot be run)."""
     what = shlex.join(cmd)
     if len(what) > 200:
         what = what[:197] + "..."
 
-    def refuse(why: str) -> typer.Exit:
+    def refuse(why: str) -> int:
         if not quiet:
             print(f"fleet guard: {why}; `{what}` not run (exit {EX_NOPERM})", file=sys.stderr, flush=True)
-        return typer.Exit(EX_NOPERM)
+        return EX_NOPERM
 
     if not task or not token:
-        raise refuse("not inside a fleet task (FLEET_TASK_ID and FLEET_LEASE_TOKEN are not set)")
+        return refuse("not inside a fleet task (FLEET_TASK_ID and FLEET_LEASE_TOKEN are not set)")
     key = os.environ.get("FLEET_TASK_KEY")
     name = f"task {task}" + (f" ({key})" if key else "")
     try:
         task_id = int(task)
     except ValueError:
-        raise refuse(f"not inside a fleet task (FLEET_TASK_ID is {task!r}, not a task id)") from None
+        return refuse(f"not inside a fleet task (FLEET_TASK_ID is {task!r}, not a task id)")
     if not socket_path:
-        raise refuse(f"{name}: the shift is gone or runs no guard (FLEET_GUARD_SOCKET is not set)")
+        return refuse(f"{name}: the shift is gone or runs no guard (FLEET_GUARD_SOCKET is not set)")
     try:
         answer = ask(socket_path, task_id, token, timeout)
     except TimeoutError:
-        raise refuse(f"{name}: the shift did not answer within {timeout:g} s") from None
+        return refuse(f"{name}: the shift did not answer within {timeout:g} s")
     except (FileNotFoundError, ConnectionRefusedError):
-        raise refuse(f"{name}: the shift is gone (nothing answers at {socket_path})") from None
+        return refuse(f"{name}: the shift is gone (nothing answers at {socket_path})")
     except (OSError, ValueError) as exc:
-        raise refuse(f"{name}: the shift's guard could not be asked ({exc})") from None
+        return refuse(f"{name}: the shift's guard could not be asked ({exc})")
     if answer.get("held") is not True:
-        raise refuse(f"{name}: {refusal(answer)}")
+        return refuse(f"{name}: {refusal(answer)}")
     sys.stdout.flush()
     sys.stderr.flush()
     try:
         os.execvp(cmd[0], cmd)  # CMD replaces this process: its streams, its exit code, its signals
     except FileNotFoundError:
         print(f"fleet guard: {cmd[0]}: command not found", file=sys.stderr)
-        raise typer.Exit(127) from None
+        return 127
     except OSError as exc:
         print(f"fleet guard: {cmd[0]}: {exc.strerror or exc}", file=sys.stderr)
-        raise typer.Exit(126) from None
-
-
-def register(root: typer.Typer) -> None:
-    """Add ``fleet guard`` to the composed app. Options end at CMD: ``fleet guard git push -f``
-    passes ``-f`` to git (``--`` works as well)."""
-    root.command("guard", context_settings={"allow_interspersed_args": False})(guard)
+        return 126
+    raise AssertionError("unreachable")  # pragma: no cover - execvp returns only by raising

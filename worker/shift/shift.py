@@ -100,6 +100,12 @@ class ShiftSummary:
     exit_code: int = EXIT_OK
 
 
+def call_budget(lane: LaneConfig) -> float:
+    """The most seconds one store call of a shift may take: a third of the lease, so that the
+    shift keeps heartbeating its agents through a database outage."""
+    return max(1.0, lane.lease_seconds / 3)
+
+
 def configure_logging(json_logs: bool | None = None) -> None:
     """structlog: JSON lines when stderr is not a terminal, readable lines when it is."""
     import sys

@@ -10,18 +10,14 @@ checks its signature when the secret is at hand.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Any
 
-import typer
-
-from worker.config import LANE_NAME, parse_duration
+from worker.config import LANE_NAME
 from worker.errors import ConfigError, InvalidInput
 
 SECRET_ENV = ("SUPABASE_JWT_SECRET", "FLEET_JWT_SECRET")
@@ -29,9 +25,6 @@ ROLES = {"worker": "fleet_worker", "operator": "fleet_operator"}
 AUDIENCE = "authenticated"  # what Supabase Auth puts in user JWTs; PostgREST checks it if told to
 ISSUER = "lanefleet"
 MIN_SECRET = 32  # PostgREST refuses a shorter HS256 secret
-
-app = typer.Typer(no_args_is_help=True, help="Keys: mint lane-scoped JWTs for hosts that use Supabase's API.")
-
 
 def jwt_secret(environ: Mapping[str, str] | None = None) -> str:
     """The project's JWT secret from the environment, or a ConfigError saying where to put it."""
@@ -126,48 +119,3 @@ def describe_key(key: str, environ: Mapping[str, str] | None = None) -> dict[str
         "seconds_left": int(exp - now) if isinstance(exp, int | float) else None,
         "signature": signature,
     }
-
-
-@app.command("mint")
-def mint(
-    role: Annotated[str, typer.Option("--role", help="worker (shifts) or operator (enqueue, cancel, retry, monitor, reads)")],
-    lanes: Annotated[list[str] | None, typer.Option("--lane", "-l", help="a lane the key may work (repeatable; '*' for every lane)")] = None,
-    ttl: Annotated[str, typer.Option("--ttl", help="lifetime: 30d, 12h, 90m, ...")] = "30d",
-    subject: Annotated[str | None, typer.Option("--subject", help="the sub claim (default: lanefleet:<role>:<uuid>)")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print the key and its claims as JSON")] = False,
-) -> None:
-    """Mint a key from the JWT secret in SUPABASE_JWT_SECRET (or FLEET_JWT_SECRET). Printed once, kept nowhere."""
-    try:
-        seconds = parse_duration(ttl)
-    except ValueError as exc:
-        raise InvalidInput(f"--ttl: {exc}") from None
-    key = mint_key(jwt_secret(), role, lanes, seconds, subject=subject)
-    if as_json:
-        print(json.dumps({"key": key, **describe_key(key)}, indent=2))
-        return
-    print(key)
-    info = describe_key(key)
-    print(f"{info['role']} key for lanes {info['lanes']}, valid until {info['expires_at']}; "
-          "it is not stored anywhere: keep it now", file=sys.stderr)
-
-
-@app.command("inspect")
-def inspect(
-    key: Annotated[str | None, typer.Argument(help="the key (default: read from stdin)")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
-) -> None:
-    """Show a key's role, lanes and expiry (and check its signature if the secret is in the environment)."""
-    text = key if key is not None else sys.stdin.read()
-    if not text.strip():
-        raise InvalidInput("no key given (pass it as an argument or on stdin)")
-    info = describe_key(text)
-    if as_json:
-        print(json.dumps(info, indent=2))
-        return
-    for name, value in info.items():
-        print(f"{name:13} {value if value is not None else '-'}")
-
-
-def register(root: typer.Typer) -> None:
-    """Add ``fleet keys`` to the composed app."""
-    root.add_typer(app, name="keys")

@@ -21,6 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from worker.errors import InvalidInput
 from worker.models import LaneHandoff, Task
 from worker.resources import resource_dir
 
@@ -223,3 +224,19 @@ def prepare(ws: Workspace, task: Task, *, instructions: str, lane_handoff: LaneH
         ws.checkpoint_file.unlink(missing_ok=True)
     ws.route_file.unlink(missing_ok=True)
     write_atomic(ws.prompt_file, build_prompt(task, instructions, lane_handoff))
+
+
+def save_checkpoint(workspace: Path | None, data: str) -> None:
+    """``fleet checkpoint``, an agent's call: write ``data`` (a JSON value, or ``@file``) as the
+    checkpoint of the task ``workspace``; the shift stores it at its next heartbeat."""
+    if workspace is None:
+        raise InvalidInput("no workspace: run this inside a task (FLEET_WORKSPACE) or pass --workspace")
+    text = Path(data[1:]).read_text() if data.startswith("@") else data
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"--data is not valid JSON: {exc.msg}") from None
+    folder = workspace / ".fleet"
+    if not folder.is_dir():
+        raise InvalidInput(f"{workspace} is not a task workspace (no .fleet/ folder)")
+    write_atomic(folder / "checkpoint.json", json.dumps(value))
