@@ -160,10 +160,10 @@ IMPORT_STEPS = [
     ("+ structlog (the shift's logging; it brings rich.traceback, pygments, asyncio)", CORE, ["structlog"]),
     ("+ worker.shift.shift and worker.cli.* (executor, workspace, the worker commands)", [*CORE, "structlog"],
      ["worker.shift.shift", *WORKER_CLI]),
-    ("+ the rest of monitor.cli (monitor commands, dashboards, dispatch, dev-stack, keys)",
-     [*CORE, "structlog", "worker.shift.shift", *WORKER_CLI], ["monitor.cli"]),
-    ("(PyJWT + cryptography, no longer imported by a shift)", [*CORE, "structlog", "monitor.cli"], ["jwt"]),
-    ("(urllib.request, no longer imported by a shift)", [*CORE, "structlog", "monitor.cli"], ["urllib.request"]),
+    ("+ the rest of monitor.cli.app (monitor commands, dashboards, dispatch, dev-stack, keys)",
+     [*CORE, "structlog", "worker.shift.shift", *WORKER_CLI], ["monitor.cli.app"]),
+    ("(PyJWT + cryptography, no longer imported by a shift)", [*CORE, "structlog", "monitor.cli.app"], ["jwt"]),
+    ("(urllib.request, no longer imported by a shift)", [*CORE, "structlog", "monitor.cli.app"], ["urllib.request"]),
 ]
 
 

@@ -1,4 +1,4 @@
-"""The monitor-side commands of ``fleet``: monitor, run, crontab, up."""
+"""The commands that run the fleet on a host: ``fleet monitor``, ``run``, ``crontab`` and ``up``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,22 +16,15 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
+from monitor.dev.demo import demo_finished, queue_demo
 from monitor.host import ShiftLauncher, crontab_lines, shift_env
 from monitor.reconcile import monitor_pass
 from worker.cli.context import JsonOpt, console, err_console, rt
-from worker.config import env_settings, parse_duration
+from worker.config import env_settings, flag_duration
 from worker.db.migrate import migrate as run_migrations
 from worker.errors import FleetError, InvalidInput
 from worker.models import RepairAction
 from worker.runtime import Runtime
-
-
-def flag_duration(value: str, flag: str) -> float:
-    """Seconds from a duration flag (30s, 5m, 7d); a bad one is one line naming the flag."""
-    try:
-        return parse_duration(value)
-    except ValueError as exc:
-        raise InvalidInput(f"{flag}: {exc}") from None
 
 
 def actions_table(actions: list[RepairAction]) -> Table:
@@ -151,19 +143,6 @@ def crontab(
         print(line)
 
 
-DEMO_TASKS: list[tuple[str, str, dict[str, Any]]] = [
-    ("docs", "write the quick start", {"steps": 3, "sleep": 0.3}),
-    ("docs", "document the SQL API", {"steps": 2, "sleep": 0.3}),
-    ("docs", "flaky: fails once, then passes", {"steps": 2, "sleep": 0.2, "fail_attempts": 1}),
-    ("docs", "always fails: a dead letter", {"steps": 1, "sleep": 0.1, "mode": "fail"}),
-    ("docs", "needs two shifts", {"steps": 6, "sleep": 1.5}),
-    ("bugfix", "crashes once, then is fixed", {"steps": 2, "sleep": 0.2, "crash_attempts": 1}),
-    ("bugfix", "fix the off-by-one, then review", {"steps": 2, "sleep": 0.3, "route": "review",
-                                                    "route_note": "fixed the off-by-one; test added"}),
-    ("bugfix", "hand off once", {"steps": 2, "sleep": 0.2, "steps_per_shift": 1}),
-]
-
-
 def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
     table = Table("lane", "queued", "running", "done", "dead", "retries", "hand-offs", "tokens", "cost $",
                   title=title)
@@ -196,10 +175,7 @@ def up(
                   highlight=False)
     prefix = None
     if demo:
-        prefix = f"demo:{uuid.uuid4().hex[:6]}:"
-        for i, (lane, title, payload) in enumerate(DEMO_TASKS, 1):
-            if lane in r.cfg.lanes:
-                store.enqueue(lane, f"{prefix}{i}", payload, title=title)
+        prefix = queue_demo(store, r.cfg.lanes)
         shift_seconds = shift_seconds or 10.0
     extra = ["--max-seconds", str(shift_seconds)] if shift_seconds else []
     launcher = ShiftLauncher(r.cfg, shift_env(r.cfg, url, r.config_path), extra_args=["--poll", "0.2", *extra],
@@ -223,8 +199,7 @@ def up(
             live.update(summary_table(store.query("lane_summary"),
                                       f"lanefleet — {time.monotonic() - started:.0f}s"))
             if prefix is not None:
-                open_tasks = store.query("open_tasks_with_prefix", prefix=prefix)[0]["n"]
-                if open_tasks == 0:
+                if demo_finished(store, prefix):
                     finished = True
                     break
                 if time.monotonic() - started > timeout:
@@ -238,11 +213,3 @@ def up(
     if demo:
         console.print(f"demo finished in {time.monotonic() - started:.0f}s: every task is done or dead. "
                       f"Try `fleet tasks` and `fleet show {prefix}7`.", highlight=False)
-
-
-def register(app: typer.Typer) -> None:
-    app.command()(monitor)
-    app.command()(run)
-    app.command()(crontab)
-    app.command()(up)
-

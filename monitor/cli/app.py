@@ -1,4 +1,6 @@
-"""The ``fleet`` command: the monitor side composes the whole app (it may import the worker).
+"""The ``fleet`` command: the monitor side composes the whole app (it may import the worker), and
+this module alone registers the command modules of ``worker/cli/`` and ``monitor/cli/``, in the
+order ``fleet --help`` lists them.
 
 Errors lanefleet raises on purpose (:class:`FleetError`) end the command with one line on
 stderr and exit code 1, never a stack trace.
@@ -7,12 +9,12 @@ stderr and exit code 1, never a stack trace.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import typer
 from rich.markup import escape
 
-from monitor import commands as monitor_commands
-from monitor import dashboards, workspaces_cli
+from monitor.cli import dashboards, run, workspaces
 from worker.cli import batch, db, devstack, dispatch, guard, keys, migrate, review, shift, tasks
 from worker.cli.context import err_console, root_callback
 from worker.errors import FleetError
@@ -20,6 +22,8 @@ from worker.errors import FleetError
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="lanefleet: a Postgres-backed, multi-lane task queue for fleets of agent workers.")
 app.callback()(root_callback)
+
+command: Callable[..., None]
 
 # the worker side
 for command in (migrate.migrate, tasks.enqueue, tasks.tasks, tasks.show, tasks.cancel, tasks.retry,
@@ -37,9 +41,9 @@ app.add_typer(batch.batch_app, name="batch")
 app.command("guard", context_settings={"allow_interspersed_args": False})(guard.guard)
 
 # the monitor side
-monitor_commands.register(app)
-dashboards.register(app)
-workspaces_cli.register(app)
+for command in (run.monitor, run.run, run.crontab, run.up, dashboards.status, dashboards.stats,
+                dashboards.snapshot, dashboards.report, workspaces.workspaces):
+    app.command()(command)
 
 
 def main() -> None:
@@ -49,10 +53,5 @@ def main() -> None:
         # one line (a driver message can span several); it may quote user input ("[/x]"):
         # escape it, or rich reads it as markup
         message = " ".join(str(exc).split())
-        err_console.print(f"[red]error:[/] {escape(message)}", highlight=False,
-                                     soft_wrap=True)
+        err_console.print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
         sys.exit(1)
-
-
-if __name__ == "__main__":
-    main()

@@ -15,18 +15,9 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from monitor.dashboards import jsonable
+from monitor.dashboards.reads import jsonable
+from monitor.dashboards.terminal import human_bytes
 from worker.cli.context import JsonOpt, console, rt
-
-
-def human_bytes(n: int | float | None) -> str:
-    """1536 → "1.5 KiB"."""
-    value = float(n or 0)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _when(value: Any) -> str:
@@ -58,7 +49,3 @@ def workspaces(
     console.print(table)
     console.print(f"total: {human_bytes(total)} in {sum(int(r['workspaces']) for r in rows)} workspace(s)",
                   highlight=False)
-
-
-def register(app: typer.Typer) -> None:
-    app.command()(workspaces)
