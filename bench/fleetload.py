@@ -25,9 +25,9 @@ LANE_SETTINGS: dict[str, Any] = {"max_running": None, "lease_seconds": 3600, "ma
 
 
 def install(url: str, migrations: Path | None = None) -> None:
-    """The migrations (worker.migrate, what `fleet migrate` runs; those of ``migrations``, a
+    """The migrations (worker.db.migrate, what `fleet migrate` runs; those of ``migrations``, a
     directory, instead of the package's when given) and the bench lane."""
-    from worker.migrate import load_migrations, migrate
+    from worker.db.migrate import load_migrations, migrate
 
     migrate(url, migrations=load_migrations(migrations) if migrations else None)
     with psycopg.connect(url, autocommit=True) as conn:

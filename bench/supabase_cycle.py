@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psycopg
 
-from worker import devstack
-from worker.keys import mint_key
-from worker.store import PostgresStore
-from worker.supabase_store import SupabaseStore
+from worker.dev import devstack
+from worker.store.keys import mint_key
+from worker.store.postgres import PostgresStore
+from worker.store.supabase import SupabaseStore
 
 ROOT = Path(__file__).resolve().parents[1]
 LANE = "bench"

@@ -60,7 +60,7 @@ from psycopg.conninfo import make_conninfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.harness import git_state, machine, pct, scratch_db
-from worker.migrate import migrate
+from worker.db.migrate import migrate
 
 LANES = 8
 LIVE = 200          # the live tasks, at the end of the id range

@@ -118,7 +118,7 @@ def shift_env(cfg: FleetConfig, url: str | None, config_path: Path | None) -> di
 def worker_key(cfg: FleetConfig, environ: Mapping[str, str]) -> str:
     """The worker key a host hands the shifts it launches on the Supabase store; a clear error when
     there is none or it is not a worker's."""
-    from worker.keys import describe_key
+    from worker.store.keys import describe_key
 
     key = cfg.supabase.worker_key or environ.get("FLEET_WORKER_KEY")
     if not key:

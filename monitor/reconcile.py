@@ -20,8 +20,14 @@ from worker.config import FleetConfig
 from worker.errors import FleetError, SessionLost
 from worker.models import RepairAction
 from worker.proc import process_start_time
-from worker.store import PostgresStore
-from worker.workspace import UnsafePath, disk_use, remove_workspace, sweep_reaping, workspace_path
+from worker.store.postgres import PostgresStore
+from worker.workspace.disk import (
+    UnsafePath,
+    disk_use,
+    remove_workspace,
+    sweep_reaping,
+    workspace_path,
+)
 
 log = structlog.get_logger("lanefleet.monitor")
 
@@ -89,7 +95,7 @@ def reap_workspaces(store: PostgresStore, cfg: FleetConfig, host: str | None = N
 def prune_git_worktrees(cfg: FleetConfig) -> None:
     """Forget the worktrees whose directories the reaper removed, in each lane's mirror on this
     host (the task branches stay: they hold the work)."""
-    from worker.gitws import GitError, Mirror, prune
+    from worker.workspace.git import GitError, Mirror, prune
 
     for repo in sorted({lane.repo for lane in cfg.lanes.values() if lane.repo}):
         mirror = Mirror(cfg.path(cfg.fleet.git_cache), repo)

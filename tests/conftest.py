@@ -21,7 +21,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from supabase_stack import stack, supabase_stack  # noqa: F401  (fixtures)
 
-from worker.migrate import migrate
+from worker.db.migrate import migrate
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -47,7 +47,7 @@ def pg_server(tmp_path_factory: pytest.TempPathFactory) -> str:
         return url
     if _answers(LOCAL):
         return LOCAL
-    from worker.embedded import embedded_url
+    from worker.db.embedded import embedded_url
 
     home = Path(os.environ.get("LANEFLEET_TEST_EMBEDDED", ROOT / ".fleet" / "test-embedded"))
     return _with_db(embedded_url(home), "postgres")

@@ -1,6 +1,6 @@
 """Helpers for tests that run real shifts: a fleet.toml in a tmp folder, a synced store, polling.
 
-``Fleet`` writes a config whose lanes run the scripted agent (``worker.example_agent``), loads it
+``Fleet`` writes a config whose lanes run the scripted agent (``worker.dev.example_agent``), loads it
 the way the CLI does (``load_config`` with DATABASE_URL from the environment), syncs its lanes and
 hands out in-process shifts or ``fleet shift`` subprocesses against the same database.
 
@@ -27,14 +27,15 @@ import psycopg
 from psycopg.rows import dict_row
 
 from worker.config import FleetConfig, load_config
-from worker.devstack import DevStack
-from worker.keys import mint_key
-from worker.shift import Shift, ShiftSummary
-from worker.store import PostgresStore, sync_config
-from worker.supabase_store import SupabaseStore
+from worker.dev.devstack import DevStack
+from worker.shift.shift import Shift, ShiftSummary
+from worker.store.keys import mint_key
+from worker.store.postgres import PostgresStore
+from worker.store.supabase import SupabaseStore
+from worker.store.sync import sync_config
 
 ROOT = Path(__file__).resolve().parents[1]
-AGENT = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+AGENT = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]
 
 T = TypeVar("T")
 # the DATABASE_URL of a subprocess on the supabase back-end: a call that slipped past the REST store fails
@@ -168,7 +169,7 @@ class Fleet:
         return f"LANE-INSTRUCTIONS-{lane.upper()}"
 
     def workspace(self, lane: str, key: str) -> Path:
-        from worker.workspace import workspace_for
+        from worker.workspace.folder import workspace_for
 
         return workspace_for(self.workspaces, lane, key).root
 

@@ -1,12 +1,12 @@
 """Git helpers of the tests that need a real repository: git as a tester, a bare origin, reading
-its branches. (worker/gitws.py is what is tested; this only sets the scene and looks at it.)"""
+its branches. (worker/workspace/git.py is what is tested; this only sets the scene and looks at it.)"""
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
-from worker import gitws
+from worker.workspace import git as gitws
 
 TESTER = ("tester", "tester@example.com")
 

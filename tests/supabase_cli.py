@@ -17,7 +17,7 @@ from urllib.parse import quote
 
 from psycopg.conninfo import conninfo_to_dict
 
-from worker.migrate import Migration
+from worker.db.migrate import Migration
 
 VERSION = "2.117.0"
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,5 @@
 """The local Supabase-compatible stack for tests: PostgreSQL + PostgREST 12 + the nginx gateway
-(``worker.devstack``), started once per test session and per xdist worker, on free loopback ports,
+(``worker.dev.devstack``), started once per test session and per xdist worker, on free loopback ports,
 and stopped (by pid) at the end.
 
 Helpers make supabase-py clients the way a fleet host does (project anon key as ``apikey``, the
@@ -23,9 +23,9 @@ import pytest
 from psycopg.rows import dict_row
 from supabase import Client, ClientOptions, create_client
 
-from worker import devstack
-from worker.keys import mint_key
-from worker.supabase_store import SupabaseStore
+from worker.dev import devstack
+from worker.store.keys import mint_key
+from worker.store.supabase import SupabaseStore
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".fleet" / "cache"

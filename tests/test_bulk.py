@@ -19,9 +19,9 @@ import pytest
 from fleetkit import Backend
 from supabase_stack import client, key, snapshot, sql
 
-from worker.devstack import DevStack
+from worker.dev.devstack import DevStack
 from worker.errors import InvalidInput, LaneForbidden, UnknownLane
-from worker.store import PostgresStore
+from worker.store.postgres import PostgresStore
 
 # ------------------------------------------------------------------------------------------------
 # the store, on both back-ends (supabase: a real PostgREST, a worker key for lane docs)
@@ -127,10 +127,10 @@ def test_prepared_statements_stay_on_unless_a_pooler(db_url: str) -> None:
 
 FLEET_TOML = """\
 [lanes.docs]
-command = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+command = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]
 
 [lanes.review]
-command = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+command = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]
 """
 
 

@@ -26,16 +26,17 @@ from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
 
 from worker.config import load_config
-from worker.migrate import load_migrations
-from worker.store import PostgresStore, lane_settings
+from worker.db.migrate import load_migrations
+from worker.store.postgres import PostgresStore
+from worker.store.sync import lane_settings
 
 FLEET_TOML = """\
 [lanes.docs]
-command = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+command = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]
 max_running = 2
 
 [lanes.review]
-command = "python -m worker.example_agent {prompt_file}"
+command = "python -m worker.dev.example_agent {prompt_file}"
 max_running = 1
 accepts_from = ["docs"]
 """

@@ -11,7 +11,7 @@ import pytest
 from worker.config import FleetConfig, load_config, parse_duration
 from worker.errors import ConfigError, UnknownLane
 
-DOCS = '[lanes.docs]\ncommand = ["python", "-m", "worker.example_agent", "{prompt_file}"]\n'
+DOCS = '[lanes.docs]\ncommand = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]\n'
 
 
 def write(tmp_path: Path, text: str, name: str = "fleet.toml") -> Path:
@@ -75,7 +75,7 @@ workspaces = "./.fleet/workspaces"
 monitor_every = "30s"
 
 [lanes.docs]
-command = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+command = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]
 instructions = "lane_instructions/docs.md"
 max_running = 2
 lease_seconds = 60

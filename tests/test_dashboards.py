@@ -53,19 +53,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FLEET_TOML = """\
 [lanes.docs]
-command = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+command = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]
 max_running = 2
 
 [lanes.review]
-command = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+command = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]
 max_running = 1
 accepts_from = ["docs"]
 """
 
-# The app with the dashboard commands registered. monitor/cli.py is to call register() itself
-# (test_the_fleet_command_has_the_dashboards checks that); register() is idempotent, so this
-# stays right once it does.
-BOOT = "from monitor import cli, dashboards; dashboards.register(cli.app); cli.main()"
+# The fleet command (monitor/cli/app.py composes it; test_the_fleet_command_has_the_dashboards
+# checks that it has the dashboard commands).
+BOOT = "from monitor.cli.app import main; main()"
 
 TOKENS = {  # per run that reports: the modelUsage sums record_run is given
     "d1": {"input_tokens": 1000, "cache_creation_tokens": 200, "cache_read_tokens": 5000, "output_tokens": 300,
@@ -170,7 +169,7 @@ def refused(result: subprocess.CompletedProcess[str], *words: str) -> str:
 
 
 def test_the_fleet_command_has_the_dashboards(home: Path) -> None:
-    """The console script's app (monitor/cli.py) registers the dashboard commands."""
+    """The console script's app (monitor/cli/app.py) registers the dashboard commands."""
     out = subprocess.run([sys.executable, "-m", "monitor.cli", "--help"], cwd=home, capture_output=True,
                          text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 0, out.stderr
@@ -539,8 +538,8 @@ def test_report_of_one_lane_and_of_an_empty_fleet(db_url: str, home: Path, chrom
 
 def test_dashboards_read_one_moment(db_url: str) -> None:
     """Every section of a refresh sees the same snapshot and the same now()."""
-    from monitor.dashboards import reading, status_data
-    from worker.store import PostgresStore
+    from monitor.dashboards.reads import reading, status_data
+    from worker.store.postgres import PostgresStore
 
     build_history(db_url)
     with PostgresStore(db_url) as store, reading(store) as r:
@@ -554,10 +553,10 @@ def test_dashboards_read_one_moment(db_url: str) -> None:
 
 
 def test_the_queries_file_is_well_formed() -> None:
-    from monitor.dashboards import queries
+    from monitor.dashboards.reads import queries
 
     named = queries()
-    text = (ROOT / "monitor" / "queries.sql").read_text()
+    text = (ROOT / "monitor" / "dashboards" / "queries.sql").read_text()
     declared = [line for line in text.splitlines() if line.startswith("-- name:")]
     assert len(named) == len(declared) >= 15
     for name, sql in named.items():

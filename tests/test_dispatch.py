@@ -15,8 +15,8 @@ import pytest
 from fleetkit import AGENT, Backend, Fleet, lane_defaults
 
 from worker.config import FleetConfig, ProfileConfig, load_config
-from worker.dispatch import classify_gate, reset_time, resolve, usage_limit
 from worker.errors import ConfigError, InvalidInput, InvalidState
+from worker.shift.dispatch import classify_gate, reset_time, resolve, usage_limit
 
 TIERS = ["mechanical", "mid", "strong"]
 MODELS_A = {"mechanical": "a-small", "mid": "a-mid", "strong": "a-large"}
@@ -338,7 +338,7 @@ def test_bad_dispatch_config_is_refused_naming_the_field(tmp_path: Path, lane: s
 
 
 def test_resolve_uses_the_profile_model_of_the_tier_and_drops_resume_without_a_session(tmp_path: Path) -> None:
-    from worker.executor import render_argv
+    from worker.agent.executor import render_argv
 
     cfg = cfg_of(tmp_path, PROFILES + '\n[lanes.work]\nprofile = "claude"\ntiers = ["mechanical", "mid", "strong"]\n')
     d = resolve(cfg, "work", None, "mid")

@@ -12,7 +12,7 @@ from fleetkit import Backend, Fleet, lane_defaults
 from gitkit import bare_origin, git, log_of
 
 from monitor.reconcile import reap_workspaces
-from worker import gitws
+from worker.workspace import git as gitws
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Git workspaces and the landing of batch members (issue #10, worker/gitws.py), against real
+"""Git workspaces and the landing of batch members (issue #10, worker/workspace/git.py), against real
 git: each test has its own bare ``origin`` with two commits on ``main``, a host's mirror in a
 cache directory, and a second cache directory where another host is needed."""
 
@@ -15,9 +15,9 @@ from gitkit import git
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker import gitws
 from worker.errors import FleetError
-from worker.gitws import (
+from worker.workspace import git as gitws
+from worker.workspace.git import (
     BranchDiverged,
     GitError,
     LandingFailed,

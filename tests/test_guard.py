@@ -26,10 +26,10 @@ from typing import Any
 import pytest
 from fleetkit import ROOT, Backend, Fleet, lane_defaults, wait_for
 
-from worker import guard as guard_mod
 from worker.errors import DatabaseUnavailable
-from worker.guard import EX_NOPERM, GuardServer, ask, private_run_dir
-from worker.shift import Shift, ShiftSummary
+from worker.shift import guard as guard_mod
+from worker.shift.guard import EX_NOPERM, GuardServer, ask, private_run_dir
+from worker.shift.shift import Shift, ShiftSummary
 
 # The scripted agent: two guarded commands while the lease holds (one exits 0, one exits 3), then it
 # waits for the test to repair the lease away and tries a third. Each guarded command writes its

@@ -1,4 +1,4 @@
-"""The migrator (worker/migrate.py) against a real PostgreSQL, and against the real Supabase CLI.
+"""The migrator (worker/db/migrate.py) against a real PostgreSQL, and against the real Supabase CLI.
 
 The record lives in the CLI's own table, supabase_migrations.schema_migrations, so a database
 migrated by ``fleet migrate`` looks pushed to ``supabase db push`` and the other way round.
@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 from psycopg.conninfo import conninfo_to_dict
 from supabase_cli import CliUnavailable, db_push, ensure_cli, tcp_url, write_project
 
-from worker.errors import MigrationError
-from worker.migrate import (
+from worker.db.migrate import (
     Migration,
     fingerprint,
     load_migrations,
@@ -28,6 +27,7 @@ from worker.migrate import (
     pending,
     split_statements,
 )
+from worker.errors import MigrationError
 
 FLEET_TABLES = {"lanes", "sessions", "tasks", "runs", "lane_handoffs", "events"}
 
@@ -193,7 +193,7 @@ def test_work_on_a_newer_database_is_refused_unless_allowed(
         c.execute("insert into supabase_migrations.schema_migrations (version, statements, name)"
                   " values ('20991231000000', '{}', 'fleet_from_the_future')")
     (tmp_path / "fleet.toml").write_text(
-        '[lanes.docs]\ncommand = ["python", "-m", "worker.example_agent", "{prompt_file}"]\n')
+        '[lanes.docs]\ncommand = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
     env.update({"DATABASE_URL": empty_db_url, "FLEET_CONFIG": str(tmp_path / "fleet.toml"), "COLUMNS": "200"})
 

@@ -31,10 +31,11 @@ from psycopg.rows import dict_row
 from monitor.reconcile import host_checks, monitor_pass
 from worker.config import FleetConfig, cron_trigger, load_config
 from worker.proc import process_start_time
-from worker.store import PostgresStore, sync_config
+from worker.store.postgres import PostgresStore
+from worker.store.sync import sync_config
 
 ROOT = Path(__file__).resolve().parents[1]
-AGENT = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+AGENT = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]
 HANG = {"mode": "hang"}
 
 T = TypeVar("T")

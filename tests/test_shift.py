@@ -1,8 +1,8 @@
 """Lane shifts end to end (DESIGN §4–§6): real shifts run the scripted agent against a real database.
 
-In-process shifts (:class:`worker.shift.Shift`) where no signal is needed; ``fleet shift``
+In-process shifts (:class:`worker.shift.shift.Shift`) where no signal is needed; ``fleet shift``
 subprocesses where one is (SIGTERM, SIGKILL). Every wait polls the database or /proc against a
-deadline. The agent is ``worker.example_agent``, steered by the task payload.
+deadline. The agent is ``worker.dev.example_agent``, steered by the task payload.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import psycopg
 import pytest
 from fleetkit import Backend, Fleet, alive, lane_defaults, pids_using, proc_children, wait_for
 
-from worker import example_agent
-from worker.executor import parse_result
-from worker.shift import IDLE_CLAIM_MAX, Shift, ShiftSummary
+from worker.agent.executor import parse_result
+from worker.dev import example_agent
+from worker.shift.shift import IDLE_CLAIM_MAX, Shift, ShiftSummary
 
 QUICK = {"steps": 2, "sleep": 0.05}
 
@@ -318,7 +318,7 @@ def test_a_shift_does_not_reclaim_a_task_it_handed_off_itself(fleet_of) -> None:
 
 def _session_echo_lane(**overrides: Any) -> dict[str, Any]:
     """A lane whose command shows what the agent was given: {agent_session} and the env."""
-    script = 'echo "session-arg=$1 session-env=[$FLEET_AGENT_SESSION]"; exec "$0" -m worker.example_agent "$2"'
+    script = 'echo "session-arg=$1 session-env=[$FLEET_AGENT_SESSION]"; exec "$0" -m worker.dev.example_agent "$2"'
     return lane_defaults(command=["sh", "-c", script, sys.executable, "[{agent_session}]", "{prompt_file}"],
                          **overrides)
 
@@ -416,7 +416,7 @@ def test_sigkill_of_a_shift_leaves_no_agent_alive(fleet_of) -> None:
         ours |= supervisors | agent_pids
         for pid in agent_pids:  # the agents are the example agent, working in a task workspace
             assert os.readlink(f"/proc/{pid}/cwd").startswith(str(f.workspaces))
-            assert b"worker.example_agent" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert b"worker.dev.example_agent" in Path(f"/proc/{pid}/cmdline").read_bytes()
         ours |= pids_using(f.workspaces)
         assert agent_pids <= pids_using(f.workspaces)
 

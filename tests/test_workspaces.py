@@ -16,7 +16,7 @@ import pytest
 from fleetkit import Backend, Fleet, lane_defaults
 
 from monitor.reconcile import monitor_pass, reap_workspaces
-from worker.workspace import REAPING, UnsafePath, disk_use, remove_workspace, workspace_path
+from worker.workspace.disk import REAPING, UnsafePath, disk_use, remove_workspace, workspace_path
 
 HOST = "ws-test-host"
 QUICK = {"steps": 1, "sleep": 0.02}
@@ -175,7 +175,7 @@ def test_a_live_tasks_workspace_is_never_reaped_even_past_retention(fleet_of) ->
         assert f.workspace("work", key).is_dir(), key
         assert [r["state"] for r in f.workspace_rows(tid)] == ["active"], key
     if f.backend.rest:  # a worker key records workspaces; reaping them is the monitor's (an operator's)
-        from worker.supabase_store import AccessDenied
+        from worker.store.supabase import AccessDenied
 
         with pytest.raises(AccessDenied):
             f.store.workspaces_to_reap(HOST)

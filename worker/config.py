@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from worker.errors import ConfigError
+from worker.errors import ConfigError, InvalidInput
 
 LANE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}\Z")  # \Z: "$" would let "docs\n" through
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
@@ -43,6 +43,14 @@ def parse_duration(value: str | int | float) -> float:
     if seconds <= 0:
         raise ValueError("a duration must be positive")
     return seconds
+
+
+def flag_duration(value: str, flag: str) -> float:
+    """Seconds from a duration flag (30s, 5m, 7d); a bad one is one line naming the flag."""
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise InvalidInput(f"{flag}: {exc}") from None
 
 
 class _Strict(BaseModel):
@@ -256,7 +264,7 @@ def cron_trigger(expr: str) -> Any:
 
 
 def _example_lanes() -> dict[str, Any]:
-    agent = ["python", "-m", "worker.example_agent", "{prompt_file}"]
+    agent = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]
     common = {"command": agent, "lease_seconds": 30, "cron": "*/10 * * * *", "backoff_base_seconds": 2,
               "backoff_max_seconds": 60, "grace_seconds": 3}
     return {

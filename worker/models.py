@@ -60,7 +60,7 @@ class Task(_Row):
     max_tokens: int | None = None
     review_note: str | None = None
     attention: str | None = None
-    kind: str = "task"  # 'batch': the task carries a batch (fleet.batches), run by worker.batch
+    kind: str = "task"  # 'batch': the task carries a batch (fleet.batches), run by worker.shift.batch
     batch_id: int | None = None  # a carrier's batch, or a member's while it is batched
 
 

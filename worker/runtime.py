@@ -12,9 +12,10 @@ from typing import cast
 import psycopg
 
 from worker.config import FleetConfig, load_config
+from worker.db.migrate import newer, pending, refuse_newer
 from worker.errors import DatabaseUnavailable, MigrationError
-from worker.migrate import newer, pending, refuse_newer
-from worker.store import PostgresStore, sync_config
+from worker.store.postgres import PostgresStore
+from worker.store.sync import sync_config
 
 
 class Runtime:
@@ -34,18 +35,18 @@ class Runtime:
     def url(self) -> str:
         if self.cfg.database.url:
             return self.cfg.database.url
-        from worker.embedded import embedded_url
+        from worker.db.embedded import embedded_url
 
         return embedded_url(self.cfg.path(self.cfg.fleet.home))
 
     def store(self, *, check_schema: bool = True, call_budget: float | None = None) -> PostgresStore:
         """The store (made once). ``call_budget``: see :class:`PostgresStore`.
 
-        ``[fleet] store = "supabase"``: a :class:`~worker.supabase_store.SupabaseStore` (the same
+        ``[fleet] store = "supabase"``: a :class:`~worker.store.supabase.SupabaseStore` (the same
         methods over Supabase's REST API; no database URL is used).
         """
         if self._store is None and self.cfg.fleet.store == "supabase":
-            from worker.supabase_store import SupabaseStore
+            from worker.store.supabase import SupabaseStore
 
             rest = SupabaseStore.from_config(self.cfg, call_budget=call_budget)
             if check_schema:

@@ -65,8 +65,9 @@ import pytest
 from psycopg.rows import dict_row
 
 from worker.config import load_config
-from worker.migrate import migrate
-from worker.store import PostgresStore, lane_settings
+from worker.db.migrate import migrate
+from worker.store.postgres import PostgresStore
+from worker.store.sync import lane_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES_FILE = ROOT / ".fleet" / "chaos-figures.json"
@@ -436,7 +437,7 @@ def test_chaos(tmp_path: Path) -> None:
             f"[fleet]\nworkspaces = {json.dumps(str(workspaces))}\nhome = {json.dumps(str(tmp_path / 'home'))}\n"
             "monitor_every = \"1s\"\n\n"
             f"[lanes.{LANE}]\n"
-            'command = ["python", "-m", "worker.example_agent", "{prompt_file}"]\n'
+            'command = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]\n'
             f"lease_seconds = {LEASE_SECONDS}\nmax_attempts = {MAX_ATTEMPTS}\nmax_handoffs = 50\n"
             f"backoff_base_seconds = 0\ngrace_seconds = {GRACE_SECONDS}\nmax_running = {MAX_RUNNING}\n"
         )

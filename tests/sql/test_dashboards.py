@@ -5,7 +5,7 @@ with timestamps moved by UPDATE where a figure depends on them, and its exact fi
 The hourly views are checked twice: computed live, and from the rolled-up hours (13_rollups.sql),
 which must agree. Last, every view and column is documented, and a plan test at a moderate scale
 asserts that the time windows are read through indexes — by the views themselves and by the named
-queries the dashboards send (monitor/queries.sql, read with the dashboards' own loader).
+queries the dashboards send (monitor/dashboards/queries.sql, read with the dashboards' own loader).
 (The pool, review, blocked and attention views through real shifts: tests/test_dispatch.py,
 tests/test_guardrails.py.)
 """
@@ -48,8 +48,8 @@ from sqlkit import (
     view,
 )
 
-from monitor.dashboards import queries
-from worker.executor import parse_result
+from monitor.dashboards.reads import queries
+from worker.agent.executor import parse_result
 from worker.models import TASK_STATES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -559,7 +559,7 @@ PLANS = {
 
 
 def named_plans(now: datetime) -> list[tuple[str, dict[str, Any], set[str]]]:
-    """The dashboards' named queries of the views above (monitor/queries.sql, loaded as the
+    """The dashboards' named queries of the views above (monitor/dashboards/queries.sql, loaded as the
     dashboards load them), with the parameters `fleet status`, `stats` and `snapshot` give them, and
     the indexes their view's plan must read. (Every window the dashboards give ends now.)"""
     week = {"since": now - timedelta(days=7), "from": now - timedelta(days=7), "to": now}
@@ -588,7 +588,7 @@ def moderate(conn: psycopg.Connection) -> psycopg.Connection:
 def test_views_read_their_windows_through_indexes(moderate: psycopg.Connection) -> None:
     conn = moderate
 
-    named = [(f"{name} (monitor/queries.sql)", queries()[name], {"lane": None} | params, wanted)
+    named = [(f"{name} (monitor/dashboards/queries.sql)", queries()[name], {"lane": None} | params, wanted)
              for name, params, wanted in named_plans(one(conn, "select now()"))]
 
     def check(stage: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import psycopg
 from sqlkit import as_key, one
 
-from worker.migrate import load_migrations
+from worker.db.migrate import load_migrations
 
 APP_MIGRATION = ("20991231000000", "app_orders")  # a project's own migration in the same record
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from worker.db.migrate import load_migrations, migrate
 from worker.dev import sqlsources
 from worker.dev.sqlsources import SourcesError
-from worker.migrate import load_migrations, migrate
 from worker.resources import migrations_dir
 
 ROOT = Path(__file__).resolve().parents[2]

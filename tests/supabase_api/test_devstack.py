@@ -1,4 +1,4 @@
-"""``fleet dev-stack`` (worker/devstack.py): loopback only, reuse, stop by pid, restart on its data."""
+"""``fleet dev-stack`` (worker/dev/devstack.py): loopback only, reuse, stop by pid, restart on its data."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import typer
 from supabase_stack import CACHE, client, key, stack_home
 from typer.testing import CliRunner
 
-from worker import devstack
-from worker.devstack import DevStack
+from worker.cli import devstack as devstack_cli
+from worker.dev import devstack
+from worker.dev.devstack import DevStack
 
 
 def listening(port: int) -> set[str]:
@@ -53,7 +54,7 @@ def test_env_file_and_reuse(supabase_stack: DevStack) -> None:
 
     root = typer.Typer()
     root.callback()(lambda: None)
-    devstack.register(root)
+    root.add_typer(devstack_cli.app, name="dev-stack")
     out = CliRunner().invoke(root, ["dev-stack", "env", "--home", str(s.home), "--json"])
     assert out.exit_code == 0, out.output
     assert json.loads(out.stdout) == {**s.env(), "running": True}

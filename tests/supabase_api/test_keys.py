@@ -1,4 +1,4 @@
-"""``fleet keys mint`` and ``fleet keys inspect`` (worker/keys.py), and the keys against the stack."""
+"""``fleet keys mint`` and ``fleet keys inspect`` (worker/cli/keys.py, worker/store/keys.py), and the keys against the stack."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import typer
 from supabase_stack import client, sql
 from typer.testing import CliRunner
 
-from worker import keys
-from worker.devstack import DevStack
+from worker.cli import keys as keys_cli
+from worker.dev.devstack import DevStack
 from worker.errors import ConfigError, InvalidInput
+from worker.store import keys
 
 SECRET = "s" * 40
 
@@ -22,7 +23,7 @@ SECRET = "s" * 40
 def app() -> typer.Typer:
     root = typer.Typer()
     root.callback()(lambda: None)
-    keys.register(root)
+    root.add_typer(keys_cli.app, name="keys")
     return root
 
 

@@ -11,8 +11,8 @@ import threading
 import psycopg
 from supabase_stack import stack_home
 
-from worker import devstack
-from worker.migrate import migrate
+from worker.db.migrate import migrate
+from worker.dev import devstack
 
 
 def test_concurrent_migrations_on_a_fresh_cluster(worker_id: str) -> None:

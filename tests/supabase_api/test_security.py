@@ -20,9 +20,9 @@ from postgrest.exceptions import APIError
 from supabase import Client, ClientOptions, create_client
 from supabase_stack import client, key, raw_jwt, snapshot, sql, store
 
-from worker.devstack import DevStack
+from worker.dev.devstack import DevStack
 from worker.errors import InvalidInput, LaneForbidden, UnknownLane, UnknownTask
-from worker.supabase_store import AccessDenied
+from worker.store.supabase import AccessDenied
 
 ZERO = "00000000-0000-0000-0000-000000000000"
 

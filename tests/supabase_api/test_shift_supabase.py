@@ -19,9 +19,9 @@ import pytest
 from fleetkit import Backend, Fleet, alive, lane_defaults, pids_using
 
 from monitor.reconcile import host_checks
-from worker.devstack import DevStack
+from worker.dev.devstack import DevStack
 from worker.errors import LaneForbidden
-from worker.supabase_store import AccessDenied
+from worker.store.supabase import AccessDenied
 
 QUICK = {"steps": 2, "sleep": 0.05}
 

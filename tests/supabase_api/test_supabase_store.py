@@ -1,4 +1,4 @@
-"""The supabase store (worker/supabase_store.py) against the real local stack: the same answers and
+"""The supabase store (worker/store/supabase.py) against the real local stack: the same answers and
 the same exceptions as the psycopg store, its reads, and its retries (through a flaky loopback
 proxy in front of the gateway that fails requests on cue and counts them).
 """
@@ -18,7 +18,7 @@ import httpx
 import pytest
 from supabase_stack import key, sql, store
 
-from worker.devstack import DevStack, free_port
+from worker.dev.devstack import DevStack, free_port
 from worker.errors import (
     ConfigError,
     DatabaseUnavailable,
@@ -34,8 +34,8 @@ from worker.errors import (
 )
 from worker.models import Task
 from worker.runtime import Runtime
-from worker.store import PostgresStore
-from worker.supabase_store import AccessDenied, SupabaseStore
+from worker.store.postgres import PostgresStore
+from worker.store.supabase import AccessDenied, SupabaseStore
 
 
 @pytest.fixture

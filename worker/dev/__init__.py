@@ -1,0 +1,2 @@
+"""Development tooling, apart from runtime code: the local Supabase stack, the scripted example agent
+and the generator of migrations from the schema sources (sqlsources)."""

@@ -35,8 +35,8 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from worker.db.migrate import load_migrations, migrate
 from worker.errors import FleetError
-from worker.migrate import load_migrations, migrate
 from worker.resources import migrations_dir
 
 _GROUP_FILE = re.compile(r"^(?P<order>\d{2})_(?P<group>[a-z_]+)\.sql$")
@@ -267,7 +267,7 @@ def server_url() -> str:
         with psycopg.connect(local, connect_timeout=3):
             return local
     except psycopg.OperationalError:
-        from worker.embedded import embedded_url
+        from worker.db.embedded import embedded_url
 
         return make_conninfo(embedded_url(Path(".fleet") / "dev-embedded"), dbname="postgres")
 

@@ -1,0 +1,57 @@
+"""The ``fleet`` command: the monitor side composes the whole app (it may import the worker), and
+this module alone registers the command modules of ``worker/cli/`` and ``monitor/cli/``, in the
+order ``fleet --help`` lists them.
+
+Errors lanefleet raises on purpose (:class:`FleetError`) end the command with one line on
+stderr and exit code 1, never a stack trace.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import typer
+from rich.markup import escape
+
+from monitor.cli import dashboards, run, workspaces
+from worker.cli import batch, db, devstack, dispatch, guard, keys, migrate, review, shift, tasks
+from worker.cli.context import err_console, root_callback
+from worker.errors import FleetError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="lanefleet: a Postgres-backed, multi-lane task queue for fleets of agent workers.")
+app.callback()(root_callback)
+
+command: Callable[..., None]
+
+# the worker side
+for command in (migrate.migrate, tasks.enqueue, tasks.tasks, tasks.show, tasks.cancel, tasks.retry,
+                shift.shift, shift.checkpoint):
+    app.command()(command)
+app.add_typer(migrate.lanes_app, name="lanes")
+app.add_typer(db.db_app, name="db")
+app.add_typer(keys.app, name="keys")
+app.add_typer(devstack.app, name="dev-stack")
+app.command("profiles")(dispatch.profiles)
+app.command("resume")(tasks.resume)
+app.add_typer(review.review_app, name="review")
+app.add_typer(batch.batch_app, name="batch")
+# options end at CMD: `fleet guard git push -f` passes -f to git
+app.command("guard", context_settings={"allow_interspersed_args": False})(guard.guard)
+
+# the monitor side
+for command in (run.monitor, run.run, run.crontab, run.up, dashboards.status, dashboards.stats,
+                dashboards.snapshot, dashboards.report, workspaces.workspaces):
+    app.command()(command)
+
+
+def main() -> None:
+    try:
+        app()  # standalone: usage errors and --help exit here with click's codes
+    except FleetError as exc:
+        # one line (a driver message can span several); it may quote user input ("[/x]"):
+        # escape it, or rich reads it as markup
+        message = " ".join(str(exc).split())
+        err_console.print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+        sys.exit(1)

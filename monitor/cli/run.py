@@ -1,0 +1,215 @@
+"""The commands that run the fleet on a host: ``fleet monitor``, ``run``, ``crontab`` and ``up``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from monitor.dev.demo import demo_finished, queue_demo
+from monitor.host import ShiftLauncher, crontab_lines, shift_env
+from monitor.reconcile import monitor_pass
+from worker.cli.context import JsonOpt, console, err_console, rt
+from worker.config import env_settings, flag_duration
+from worker.db.migrate import migrate as run_migrations
+from worker.errors import FleetError, InvalidInput
+from worker.models import RepairAction
+from worker.runtime import Runtime
+
+
+def actions_table(actions: list[RepairAction]) -> Table:
+    table = Table("action", "lane", "task", "session", "detail", title="monitor pass")
+    for a in actions:
+        table.add_row(a.action, a.lane or "", "" if a.task_id is None else str(a.task_id),
+                      str(a.session_id or "")[:8], json.dumps(a.detail, default=str)[:90])
+    return table
+
+
+def monitor(
+    ctx: typer.Context,
+    once: Annotated[bool, typer.Option("--once", help="one pass, then exit (the default)")] = False,
+    every: Annotated[str | None, typer.Option("--every", help="loop: a pass every 30s, 1m, ...")] = None,
+    no_local: Annotated[bool, typer.Option("--no-local", help="skip this host's pid checks and workspace reaping")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Repair evaporated claims and report stalls and idle capacity (one pass, or --every)."""
+    interval = flag_duration(every, "--every") if every is not None else None
+    if once and interval:
+        raise InvalidInput("--once and --every exclude each other")
+    r = rt(ctx)
+    store = r.store()
+    stop = threading.Event()
+    if interval:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    while True:
+        try:
+            actions = monitor_pass(store, r.cfg, local=not no_local)
+        except FleetError as exc:
+            if not interval:
+                raise
+            # a loop outlives a database outage: the next pass repairs what this one could not
+            err_console.print(f"monitor pass failed: {exc}", highlight=False)
+            if stop.wait(interval):
+                return
+            continue
+        if as_json:
+            print(json.dumps([a.model_dump(mode="json") for a in actions]), flush=True)
+        elif actions:
+            console.print(actions_table(actions))
+        elif not interval:
+            console.print("nothing to repair")
+        if not interval or stop.wait(interval):
+            return
+
+
+def run(
+    ctx: typer.Context,
+    lanes: Annotated[list[str] | None, typer.Option("--lane", help="only these lanes (repeatable)")] = None,
+    duration: Annotated[str | None, typer.Option("--for", help="stop after this long (e.g. 1h); default: until SIGTERM")] = None,
+) -> None:
+    """Host the fleet: each lane's cron launches shifts (never past max_shifts); the monitor runs on its interval."""
+    from apscheduler.schedulers.background import BackgroundScheduler
+    from apscheduler.triggers.interval import IntervalTrigger
+
+    from worker.config import cron_trigger
+    from worker.shift.shift import configure_logging
+
+    r = rt(ctx)
+    configure_logging()
+    limit = flag_duration(duration, "--for") if duration is not None else None
+    chosen = lanes or sorted(r.cfg.lanes)
+    for name in chosen:
+        r.cfg.lane(name)
+    store = r.store()
+    url = r.url if r.cfg.fleet.store == "postgres" else None
+    launcher = ShiftLauncher(r.cfg, shift_env(r.cfg, url, r.config_path),
+                             log_dir=r.cfg.path(r.cfg.fleet.home) / "logs")
+    scheduler = BackgroundScheduler(timezone="UTC")
+    scheduled = []
+    for name in chosen:
+        lane = r.cfg.lanes[name]
+        if lane.cron:
+            scheduler.add_job(launcher.launch, cron_trigger(lane.cron), args=[name], id=f"shift-{name}",
+                              max_instances=1, coalesce=True, misfire_grace_time=30)
+            scheduled.append(name)
+    scheduler.add_job(lambda: monitor_pass(store, r.cfg), IntervalTrigger(seconds=r.cfg.fleet.monitor_every),
+                      id="monitor", max_instances=1, coalesce=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    scheduler.start()
+    console.print(f"fleet run: lanes {', '.join(scheduled) or 'none scheduled'}; monitor every "
+                  f"{r.cfg.fleet.monitor_every:g}s", highlight=False)
+    stop.wait(limit)
+    # wait for a job under way: a launch finishing after stop_all() would leave its shift behind
+    scheduler.shutdown(wait=True)
+    launcher.stop_all()
+    monitor_pass(store, r.cfg)
+    # plain print: rich would wrap a long line at the console width and break the JSON
+    print(json.dumps({"launched": launcher.launched, "max_concurrent": launcher.max_seen}), flush=True)
+
+
+def crontab(
+    ctx: typer.Context,
+    lock_dir: Annotated[Path | None, typer.Option(help="where lock and log files go (default: <home>/cron)")] = None,
+) -> None:
+    """Print system crontab lines equivalent to `fleet run` (absolute paths, flock overlap guards)."""
+    r = rt(ctx)
+    fleet_bin = shutil.which("fleet") or str(Path(sys.executable).with_name("fleet"))
+    folder = (lock_dir or r.cfg.path(r.cfg.fleet.home) / "cron").resolve()
+    # cron starts its jobs with an environment of its own: what this one sets, they would not see
+    # (a DATABASE_URL only here, and the shifts would run on the embedded database instead)
+    unseen = env_settings(os.environ)
+    if unseen:
+        names = ", ".join(unseen)
+        err_console.print(f"warning: this config also comes from the environment ({names}), which cron does not "
+                          "pass: put those settings in fleet.toml, or NAME=value lines at the top of the crontab",
+                          soft_wrap=True)
+        print(f"# warning: set by the environment of `fleet crontab`, not seen by these jobs: {names}")
+        print("#   (put them in fleet.toml, or as NAME=value lines here; they are not printed)")
+    for line in crontab_lines(r.cfg, fleet_bin=fleet_bin, workdir=r.cfg.base_dir, config=r.cfg.source,
+                              lock_dir=folder):
+        print(line)
+
+
+def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
+    table = Table("lane", "queued", "running", "done", "dead", "retries", "hand-offs", "tokens", "cost $",
+                  title=title)
+    for row in rows:
+        table.add_row(row["lane"], str(row["queued"]), str(row["running"]), str(row["done"]),
+                      str(row["dead"]), str(row["retries"]), str(row["handoffs"]), f"{row['tokens']:,}",
+                      f"{row['cost_usd']:.4f}")
+    return table
+
+
+def up(
+    ctx: typer.Context,
+    demo: Annotated[bool, typer.Option("--demo", help="queue example tasks, run until all are done or dead, print a summary")] = False,
+    shift_seconds: Annotated[float | None, typer.Option("--shift-seconds", help="length of each shift (default: the lane's; 10 with --demo)")] = None,
+    timeout: Annotated[float, typer.Option(help="--demo: give up after this many seconds")] = 300.0,
+) -> None:
+    """The main job: start (or reuse) the database, migrate, sync lanes, run every lane's shifts and the monitor."""
+    import logging
+
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    r: Runtime = rt(ctx)
+    url = r.url  # starts or reuses the embedded server when no database is configured
+    result = run_migrations(url)
+    r.sync_lanes()
+    store = r.store()
+    console.print(f"database ready ({'embedded, ' + str(r.cfg.path(r.cfg.fleet.home) / 'pgdata') if r.embedded else 'DATABASE_URL'}); "
+                  f"{len(result.applied)} migration(s) applied; lanes: {', '.join(sorted(r.cfg.lanes))}",
+                  highlight=False)
+    prefix = None
+    if demo:
+        prefix = queue_demo(store, r.cfg.lanes)
+        shift_seconds = shift_seconds or 10.0
+    extra = ["--max-seconds", str(shift_seconds)] if shift_seconds else []
+    launcher = ShiftLauncher(r.cfg, shift_env(r.cfg, url, r.config_path), extra_args=["--poll", "0.2", *extra],
+                             log_dir=r.cfg.path(r.cfg.fleet.home) / "logs")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    started = time.monotonic()
+    monitor_every = 2.0 if demo else r.cfg.fleet.monitor_every
+    next_monitor = 0.0
+    finished = False
+    with Live(console=console, refresh_per_second=4, transient=False) as live:
+        while not stop.is_set():
+            ready = {row["lane"]: row["ready"] for row in store.query("ready_by_lane")}
+            for lane in sorted(r.cfg.lanes):
+                if ready.get(lane) and launcher.count(lane) == 0:
+                    launcher.launch(lane, ["--once"] if demo else [])
+            if time.monotonic() >= next_monitor:
+                monitor_pass(store, r.cfg)
+                next_monitor = time.monotonic() + monitor_every
+            live.update(summary_table(store.query("lane_summary"),
+                                      f"lanefleet — {time.monotonic() - started:.0f}s"))
+            if prefix is not None:
+                if demo_finished(store, prefix):
+                    finished = True
+                    break
+                if time.monotonic() - started > timeout:
+                    break
+            stop.wait(0.5)
+    launcher.stop_all()
+    rows = store.query("lane_summary")
+    console.print(summary_table(rows, "summary"))
+    if demo and not finished:
+        raise InvalidInput(f"the demo did not finish within {timeout:.0f}s; see {r.cfg.path(r.cfg.fleet.home) / 'logs'}")
+    if demo:
+        console.print(f"demo finished in {time.monotonic() - started:.0f}s: every task is done or dead. "
+                      f"Try `fleet tasks` and `fleet show {prefix}7`.", highlight=False)

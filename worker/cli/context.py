@@ -1,0 +1,44 @@
+"""What every ``fleet`` command shares: the Runtime on the typer context, the consoles, the common
+options, JSON output.
+
+A user mistake exits 1 with one line on stderr and writes nothing (the SQL functions validate
+before they write); see :func:`monitor.cli.app.main`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from worker.runtime import Runtime
+
+console = Console()
+err_console = Console(stderr=True)
+
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option("--config", "-c", envvar="FLEET_CONFIG", help="fleet.toml to read [env: FLEET_CONFIG]"),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
+JsonTablesOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
+TaskRef = Annotated[str, typer.Argument(help="task id or key")]
+
+
+def root_callback(ctx: typer.Context, config: ConfigOpt = None) -> None:
+    """lanefleet: a Postgres-backed, multi-lane task queue for fleets of agent workers."""
+    ctx.obj = Runtime(config)
+    ctx.call_on_close(ctx.obj.close)
+
+
+def rt(ctx: typer.Context) -> Runtime:
+    obj = ctx.find_root().obj
+    assert isinstance(obj, Runtime)
+    return obj
+
+
+def emit_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str))

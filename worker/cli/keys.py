@@ -1,0 +1,52 @@
+"""``fleet keys mint|inspect``: lane-scoped JWTs for hosts that use Supabase's API."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+
+from worker.config import flag_duration
+from worker.errors import InvalidInput
+from worker.store.keys import describe_key, jwt_secret, mint_key
+
+app = typer.Typer(no_args_is_help=True, help="Keys: mint lane-scoped JWTs for hosts that use Supabase's API.")
+
+
+@app.command("mint")
+def mint(
+    role: Annotated[str, typer.Option("--role", help="worker (shifts) or operator (enqueue, cancel, retry, monitor, reads)")],
+    lanes: Annotated[list[str] | None, typer.Option("--lane", "-l", help="a lane the key may work (repeatable; '*' for every lane)")] = None,
+    ttl: Annotated[str, typer.Option("--ttl", help="lifetime: 30d, 12h, 90m, ...")] = "30d",
+    subject: Annotated[str | None, typer.Option("--subject", help="the sub claim (default: lanefleet:<role>:<uuid>)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the key and its claims as JSON")] = False,
+) -> None:
+    """Mint a key from the JWT secret in SUPABASE_JWT_SECRET (or FLEET_JWT_SECRET). Printed once, kept nowhere."""
+    seconds = flag_duration(ttl, "--ttl")
+    key = mint_key(jwt_secret(), role, lanes, seconds, subject=subject)
+    if as_json:
+        print(json.dumps({"key": key, **describe_key(key)}, indent=2))
+        return
+    print(key)
+    info = describe_key(key)
+    print(f"{info['role']} key for lanes {info['lanes']}, valid until {info['expires_at']}; "
+          "it is not stored anywhere: keep it now", file=sys.stderr)
+
+
+@app.command("inspect")
+def inspect(
+    key: Annotated[str | None, typer.Argument(help="the key (default: read from stdin)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Show a key's role, lanes and expiry (and check its signature if the secret is in the environment)."""
+    text = key if key is not None else sys.stdin.read()
+    if not text.strip():
+        raise InvalidInput("no key given (pass it as an argument or on stdin)")
+    info = describe_key(text)
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    for name, value in info.items():
+        print(f"{name:13} {value if value is not None else '-'}")

@@ -1,0 +1,194 @@
+"""The commands on tasks: ``fleet enqueue``, ``tasks``, ``show``, ``cancel``, ``retry`` and ``resume``."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from worker.cli.context import JsonOpt, TaskRef, console, emit_json, err_console, rt
+from worker.errors import InvalidInput
+from worker.store.task_input import (
+    check_state,
+    enqueue_lines,
+    parse_payload,
+    parse_run_at,
+    read_task_lines,
+)
+
+
+def _jsonable(model: Any) -> Any:
+    return model.model_dump(mode="json")
+
+
+def enqueue(
+    ctx: typer.Context,
+    lane: Annotated[str | None, typer.Argument(help="the lane to queue the task in (with --from: the default lane)")] = None,
+    key: Annotated[str | None, typer.Option("--key", "-k", help="idempotency key, e.g. issue:473")] = None,
+    payload: Annotated[str | None, typer.Option(help="JSON object, or @file.json")] = None,
+    title: Annotated[str | None, typer.Option(help="a short title")] = None,
+    priority: Annotated[int | None, typer.Option(help="0..1000, higher runs first (default 0)")] = None,
+    run_at: Annotated[str | None, typer.Option("--run-at", help="ISO time or +10m")] = None,
+    max_attempts: Annotated[int | None, typer.Option("--max-attempts", help="override the lane's cap")] = None,
+    from_file: Annotated[str | None, typer.Option(
+        "--from", help="queue the tasks of a JSON Lines file ('-': stdin), one object per line: key, and "
+                       "optionally lane, payload, title, priority, run_at, max_attempts, tier, profile, "
+                       "max_cost_usd, max_tokens. All or nothing")] = None,
+    lane_option: Annotated[str | None, typer.Option("--lane", "-l", help="the lane (the same as LANE)")] = None,
+    tier: Annotated[str | None, typer.Option("--tier", help="the tier the first attempt runs at (default: the lane's)")] = None,
+    profile: Annotated[str | None, typer.Option("--profile", help="a dispatch profile (default: the lane's pools)")] = None,
+    max_cost: Annotated[float | None, typer.Option("--max-cost", help="the task's budget in USD, over all attempts")] = None,
+    max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="the task's budget in tokens, over all attempts")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Queue a task (prints its id; says so when the key already existed), or with --from the
+    tasks of a file (prints how many were created and how many already existed)."""
+    if lane is not None and lane_option is not None and lane != lane_option:
+        raise InvalidInput(f"two lanes given: {lane!r} and --lane {lane_option!r}")
+    lane = lane if lane is not None else lane_option
+    if from_file is not None:
+        given = [flag for flag, value in (("--key", key), ("--payload", payload), ("--title", title),
+                                          ("--priority", priority), ("--run-at", run_at),
+                                          ("--max-attempts", max_attempts), ("--tier", tier),
+                                          ("--profile", profile), ("--max-cost", max_cost),
+                                          ("--max-tokens", max_tokens)) if value is not None]
+        if given:
+            raise InvalidInput(f"--from takes each task's fields from its line; drop {', '.join(given)}")
+        name, lines = read_task_lines(from_file, lane)
+        results = enqueue_lines(rt(ctx).store(), name, lane, lines)
+        created = sum(1 for _, c in results if c)
+        existing = len(results) - created
+        if as_json:
+            emit_json({"created": created, "existing": existing,
+                       "tasks": [{"line": number, "key": task["key"], "id": task_id, "created": c}
+                                 for (number, task), (task_id, c) in zip(lines, results, strict=True)]})
+            return
+        print(f"{created} created, {existing} already existed")
+        return
+    if lane is None:
+        raise InvalidInput("which lane? `fleet enqueue LANE --key K`, or `fleet enqueue --from FILE`")
+    if key is None:
+        raise InvalidInput("a task needs --key K, its idempotency key (or use --from FILE)")
+    data = parse_payload(payload)
+    when, delay = parse_run_at(run_at)
+    task_id, created = rt(ctx).store().enqueue(lane, key, data, priority if priority is not None else 0, when,
+                                               max_attempts, title, delay_seconds=delay, tier=tier,
+                                               profile=profile, max_cost_usd=max_cost, max_tokens=max_tokens)
+    if as_json:
+        emit_json({"id": task_id, "created": created})
+    elif created:
+        print(task_id)
+    else:
+        print(task_id)
+        err_console.print(f"key {escape(repr(key))} already existed: task {task_id} (nothing new queued)")
+
+
+def tasks(
+    ctx: typer.Context,
+    lane: Annotated[str | None, typer.Option(help="only this lane")] = None,
+    state: Annotated[str | None, typer.Option(help="queued, running, done, dead or cancelled")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=10000)] = 50,
+    as_json: JsonOpt = False,
+) -> None:
+    """List tasks, newest first."""
+    check_state(state)
+    rows = rt(ctx).store().list_tasks(lane, state, limit)
+    if as_json:
+        emit_json([_jsonable(t) for t in rows])
+        return
+    table = Table("id", "lane", "key", "state", "prio", "attempts", "fail", "evap", "handoffs", "title")
+    for t in rows:
+        table.add_row(str(t.id), t.lane, escape(t.key), t.state, str(t.priority), str(t.attempts),
+                      str(t.failures), str(t.evaporations), str(t.handoffs), escape(t.title or ""))
+    console.print(table)
+
+
+def show(ctx: typer.Context, ref: TaskRef, as_json: JsonOpt = False) -> None:
+    """One task: its fields, stage history, runs and events."""
+    store = rt(ctx).store()
+    task = store.get_task(ref)
+    runs = store.task_runs(task.id)
+    events = store.task_events(task.id)
+    if as_json:
+        emit_json({"task": _jsonable(task), "runs": [_jsonable(r) for r in runs],
+                   "events": [_jsonable(e) for e in events]})
+        return
+    console.print(f"[bold]task {task.id}[/] {escape(task.key)}  lane [bold]{task.lane}[/]  state [bold]{task.state}[/]")
+    if task.title:
+        console.print(f"title: {escape(task.title)}")
+    console.print(f"attempts {task.attempts}  failures {task.failures}  evaporations {task.evaporations}"
+                  f"  handoffs {task.handoffs}  priority {task.priority}")
+    if task.dead_reason:
+        console.print(f"dead: {escape(task.dead_reason)}")
+    if task.last_error:
+        console.print(f"last error: {escape(task.last_error)}")
+    if task.agent_session:
+        console.print(f"agent session: {escape(task.agent_session)}")
+    console.print(f"payload: {escape(json.dumps(task.payload))}")
+    if task.checkpoint is not None:
+        console.print(f"checkpoint #{task.checkpoint_seq}: {escape(json.dumps(task.checkpoint))}")
+    if task.stages:
+        console.print("stages:")
+        for i, st in enumerate([*task.stages, {"lane": task.lane, "current": True}], 1):
+            if st.get("current"):
+                console.print(f"  {i}. {st['lane']} (current, {task.state})")
+            else:
+                console.print(f"  {i}. {st['lane']} → {st.get('routed_to')}  attempts {st.get('attempts')}"
+                              f"  note {escape(json.dumps(st.get('note')))}")
+    if runs:
+        table = Table("run", "lane", "attempt", "outcome", "exit", "tokens in/cache/out", "cost $", "started")
+        for r in runs:
+            table.add_row(str(r.id), r.lane, str(r.attempt), r.outcome or "running",
+                          "" if r.exit_code is None else str(r.exit_code),
+                          f"{r.input_tokens}/{r.cache_creation_tokens + r.cache_read_tokens}/{r.output_tokens}",
+                          f"{r.cost_usd:.4f}", r.started_at.strftime("%Y-%m-%d %H:%M:%S"))
+        console.print(table)
+    table = Table("event", "time", "kind", "detail")
+    for e in events:
+        table.add_row(str(e.id), e.ts.strftime("%H:%M:%S"), e.kind, escape(json.dumps(e.detail)[:100]))
+    console.print(table)
+
+
+def cancel(ctx: typer.Context, ref: TaskRef) -> None:
+    """Cancel a queued or running task (a running agent stops at its next heartbeat)."""
+    store = rt(ctx).store()
+    task = store.get_task(ref)
+    console.print(f"task {task.id}: {store.cancel(task.id)}")
+
+
+def retry(ctx: typer.Context, ref: TaskRef) -> None:
+    """Queue a dead, cancelled or blocked task again, with a fresh attempt cap (the agent runs again)."""
+    store = rt(ctx).store()
+    task = store.get_task(ref)
+    console.print(f"task {task.id}: {store.retry(task.id)}")
+
+
+def resume(
+    ctx: typer.Context,
+    ref: Annotated[str | None, typer.Argument(help="task id or key")] = None,
+    max_cost: Annotated[float | None, typer.Option("--max-cost", help="a new cost budget in USD (0: none)")] = None,
+    max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="a new token budget (0: none)")] = None,
+    batch: Annotated[int | None, typer.Option("--batch", help="resume a blocked batch: the next shift "
+                                              "continues its member (re-runs the gate, or the landing)")] = None,
+) -> None:
+    """Queue a blocked task again: blocked by its verify gate, only the gate runs again; blocked by
+    its budget, give it a new one (--max-cost / --max-tokens) or it blocks again at once.
+    ``--batch ID``: a blocked batch's carrier goes back to the queue."""
+    store = rt(ctx).store()
+    if batch is not None:
+        if ref is not None:
+            raise typer.BadParameter("give a task or --batch, not both")
+        state = store.batch_call("batch_resume", {"p_batch": batch})
+        console.print(f"batch {batch}: {state} (the next shift continues its member)")
+        return
+    if ref is None:
+        raise typer.BadParameter("name a task (id or key), or --batch ID")
+    task = store.get_task(ref)
+    if max_cost is not None or max_tokens is not None:
+        store.set_task_budget(task.id, max_cost, max_tokens)
+    state = store.resume(task.id)
+    gate = task.block_reason in ("automation-broken", "capability-unavailable")
+    console.print(f"task {task.id}: {state}" + (" (its verify gate runs again)" if gate else ""))

@@ -1,0 +1,239 @@
+"""Dispatch for coding agents (issue #8): which command and model a task's attempt runs with, what a
+usage-limit message means, and what a verify gate said.
+
+- **Resolution.** A claim tells the shift the task's tier and the profile it drew (``run_profile``,
+  chosen by the database from the lane's pools). :func:`resolve` turns them into the argv template
+  and the model, exactly as a spawn uses them; ``fleet profiles`` and the shift's start banner show
+  the same resolution.
+- **Usage limits.** :func:`usage_limit` looks for the profile's exit codes and patterns in a run's
+  final message and the tail of its output, and :func:`reset_time` reads the reset the message
+  names (an epoch after ``|`` as Claude Code prints it, an ISO time, "resets 3pm (Europe/Berlin)",
+  "try again in 20 minutes", "retry after 120").
+- **Verify gates.** :func:`classify_gate` maps a gate's end to one of four outcomes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from worker.agent.executor import render_argv
+from worker.config import DEFAULT_LIMIT_PATTERNS, FleetConfig, ProfileConfig
+
+GateOutcome = Literal["ok", "task-failed", "automation-broken", "capability-unavailable"]
+GATE_OUTCOMES: tuple[GateOutcome, ...] = ("ok", "task-failed", "automation-broken", "capability-unavailable")
+# exit status of a gate that ran but cannot judge (as `git bisect run` reads 125: "cannot test")
+GATE_CANNOT_JUDGE = 125
+_GATE_LINE = re.compile(r"^\s*fleet-gate:\s*(ok|task-failed|automation-broken|capability-unavailable)\b(.*)$",
+                        re.IGNORECASE | re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """What one attempt runs: the profile (None: the lane's own command), tier, model, argv template."""
+
+    profile: str | None
+    tier: str | None
+    model: str | None
+    command: list[str]
+    pool: str | None = None
+
+    def describe(self) -> str:
+        who = self.profile or "lane command"
+        tier = f"{self.tier}=" if self.tier else ""
+        return f"{tier}{who}/{self.model or '-'}"
+
+
+def resolve(cfg: FleetConfig, lane_name: str, profile: str | None, tier: str | None,
+            pool: str | None = None) -> Dispatch:
+    """The dispatch of an attempt of ``lane_name`` with ``profile`` (None: the lane's default) at
+    ``tier``. A profile the config does not have falls back to the lane's (the claim may come from
+    a host whose config is newer); a lane with neither a profile nor a command cannot happen (the
+    config refuses it)."""
+    lane = cfg.lane(lane_name)
+    name = profile if profile in cfg.profiles else lane.profile
+    if name is not None:
+        prof = cfg.profiles[name]
+        return Dispatch(name, tier, prof.model_for(tier) or lane.model, prof.command, pool or prof.pool)
+    assert lane.command is not None
+    return Dispatch(None, tier, lane.model, lane.command, pool)
+
+
+def lane_dispatch(cfg: FleetConfig, lane_name: str) -> list[Dispatch]:
+    """Every dispatch a lane's tasks can get: per pool of its preference list (or its default
+    profile), per tier. What `fleet profiles` and a shift's start banner print."""
+    lane = cfg.lane(lane_name)
+    entries = cfg.dispatch_list(lane_name) or [{"profile": lane.profile or "", "pool": ""}]
+    out = []
+    for entry in entries:
+        tiers: list[str | None] = [*lane.tiers] or [None]
+        for tier in tiers:
+            out.append(resolve(cfg, lane_name, entry["profile"] or None, tier, entry["pool"] or None))
+    return out
+
+
+def banner(cfg: FleetConfig, lane_name: str) -> str:
+    """One line: ``tier=profile/model`` for each tier, per pool in preference order."""
+    parts = []
+    for d in lane_dispatch(cfg, lane_name):
+        pool = f" [{d.pool}]" if d.pool else ""
+        parts.append(f"{d.describe()}{pool}")
+    return ", ".join(parts)
+
+
+# -- usage limits
+
+
+@dataclass(frozen=True)
+class UsageLimit:
+    note: str  # the line that said so
+    until: datetime | None = None  # the reset the message named
+    after_seconds: float | None = None  # or a delay
+
+
+def usage_limit(profile: ProfileConfig | None, code: int, final_text: str | None,
+                output_tail: str) -> UsageLimit | None:
+    """A usage or rate limit reported by a run, or None.
+
+    ``profile``: the run's profile (None: the default patterns, no exit codes, a 15-minute pause).
+    A limit is an exit code the profile lists, or one of its patterns in the run's final message or
+    the last lines of its output."""
+    patterns = profile.limit_patterns if profile is not None else DEFAULT_LIMIT_PATTERNS
+    codes = profile.limit_exit_codes if profile is not None else []
+    backoff = profile.throttle_backoff if profile is not None else ProfileConfig.model_fields["throttle_backoff"].default
+    texts = [t for t in (final_text, output_tail[-2000:]) if t]
+    hit: str | None = None
+    for text in texts:
+        for pattern in patterns:
+            m = re.search(pattern, text, re.IGNORECASE)
+            if m:
+                start = text.rfind("\n", 0, m.start()) + 1
+                end = text.find("\n", m.end())
+                hit = text[start:end if end >= 0 else len(text)].strip()[:500]
+                break
+        if hit:
+            break
+    if hit is None and code in codes:
+        hit = f"exit code {code} (a usage limit for this profile)"
+    if hit is None:
+        return None
+    until, after = reset_time(" ".join(texts) if hit.startswith("exit code") else hit + "\n" + " ".join(texts))
+    if until is None and after is None:
+        after = backoff
+    return UsageLimit(hit, until, after)
+
+
+_EPOCH = re.compile(r"\|\s*(\d{10})(?:\d{3})?\b")
+_ISO = re.compile(r"\b(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)")
+_CLOCK = re.compile(r"\breset(?:s|ting)?\b[^0-9\n]{0,20}(\d{1,2})(?::(\d{2}))?\s*(am|pm)?(?:\s*\(([^)]+)\))?",
+                    re.IGNORECASE)
+_DELAY = re.compile(r"\b(?:in|after)\s+(\d+(?:\.\d+)?)\s*(seconds?|secs?|s|minutes?|mins?|m|hours?|hrs?|h)\b",
+                    re.IGNORECASE)
+_RETRY_AFTER = re.compile(r"retry[- ]after:?\s*(\d+)\b", re.IGNORECASE)
+_UNIT = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def reset_time(text: str, now: datetime | None = None) -> tuple[datetime | None, float | None]:
+    """The reset a limit message names: (an absolute time, or None; a delay in seconds, or None)."""
+    now = now or datetime.now(UTC)
+    m = _EPOCH.search(text)
+    if m:
+        return datetime.fromtimestamp(int(m.group(1)), UTC), None
+    m = _ISO.search(text)
+    if m:
+        try:
+            when = datetime.fromisoformat(m.group(1).replace("Z", "+00:00"))
+            return (when if when.tzinfo else when.replace(tzinfo=UTC)), None
+        except ValueError:
+            pass
+    m = _RETRY_AFTER.search(text)
+    if m:
+        return None, float(m.group(1))
+    m = _DELAY.search(text)
+    if m:
+        return None, float(m.group(1)) * _UNIT[m.group(2)[0].lower()]
+    m = _CLOCK.search(text)
+    if m:
+        hour, minute = int(m.group(1)), int(m.group(2) or 0)
+        ampm = (m.group(3) or "").lower()
+        if ampm == "pm" and hour < 12:
+            hour += 12
+        elif ampm == "am" and hour == 12:
+            hour = 0
+        if hour > 23 or minute > 59:
+            return None, None
+        try:
+            zone = ZoneInfo(m.group(4).strip()) if m.group(4) else UTC
+        except (ZoneInfoNotFoundError, ValueError):
+            zone = UTC
+        local = now.astimezone(zone)
+        when = local.replace(hour=hour, minute=minute, second=0, microsecond=0)
+        if when <= local:
+            when += timedelta(days=1)
+        return when.astimezone(UTC), None
+    return None, None
+
+
+# -- verify gates
+
+
+def classify_gate(code: int | None, output: str, *, timed_out: bool = False) -> tuple[GateOutcome, str]:
+    """A gate's outcome and its evidence (the output's tail, or why there is none).
+
+    A line ``fleet-gate: <outcome> [why]`` in the output decides. Else: exit 0 → ok; exit 125 →
+    capability-unavailable (the gate ran and cannot judge); 126/127 (not executable, not found), a
+    signal, a timeout, or a failure that printed nothing → automation-broken (the gate itself could
+    not run); any other failure with output → task-failed, the output being the evidence. An
+    inconclusive gate is never ok.
+    """
+    evidence = output[-4000:].strip()
+    said_lines = list(_GATE_LINE.finditer(output))
+    m = said_lines[-1] if said_lines else None  # the last one decides
+    if m is not None and not timed_out:
+        said: GateOutcome = m.group(1).lower()  # type: ignore[assignment]
+        if said == "ok" and code not in (0, None):
+            return "automation-broken", f"the gate said ok but exited {code}\n{evidence}"
+        return said, evidence
+    if timed_out:
+        return "automation-broken", f"the gate timed out\n{evidence}".strip()
+    if code == 0:
+        return "ok", evidence
+    if code == GATE_CANNOT_JUDGE:
+        return "capability-unavailable", evidence or "the gate exited 125: it cannot judge this work"
+    if code is None or code in (126, 127) or code > 128:
+        why = {126: "is not executable", 127: "could not be started (command not found?)"}.get(
+            code or 0, f"was killed (exit {code})")
+        return "automation-broken", f"the gate {why}\n{evidence}".strip()
+    if not evidence:
+        return "automation-broken", f"the gate exited {code} without any output: no evidence the work is wrong"
+    return "task-failed", evidence
+
+
+#: what ``fleet profiles`` shows for what a spawn fills in (the prompt file and workspace are per
+#: task, the session per attempt)
+SAMPLE_VALUES = {"prompt_file": "<prompt_file>", "workspace": "<workspace>", "task_id": "<task_id>",
+                 "agent_session": "<agent_session>"}
+
+
+def resolved(cfg: FleetConfig) -> dict[str, Any]:
+    """``fleet profiles``: profiles with each tier's argv, and per lane the dispatch of each pool and tier in order."""
+    profiles = []
+    for name, p in cfg.profiles.items():
+        tiers = sorted({*p.models, *(t for lane in cfg.lanes.values() for t in lane.tiers)})
+        profiles.append({
+            "name": name, "pool": p.pool, "slots": cfg.pools[p.pool].slots if p.pool else None,
+            "command": p.command, "models": p.models, "default_model": p.model,
+            "limit_patterns": p.limit_patterns, "limit_exit_codes": p.limit_exit_codes,
+            "throttle_backoff_seconds": p.throttle_backoff,
+            "tiers": {t: {"model": p.model_for(t), "argv": render_argv(p.command, {**SAMPLE_VALUES, "model": p.model_for(t) or ""})}
+                      for t in tiers if p.model_for(t)},
+        })
+    lanes = {}
+    for name in cfg.lanes:
+        lanes[name] = [{"pool": d.pool, "profile": d.profile, "tier": d.tier, "model": d.model,
+                        "argv": render_argv(d.command, {**SAMPLE_VALUES, "model": d.model or ""})}
+                       for d in lane_dispatch(cfg, name)]
+    return {"profiles": profiles, "lanes": lanes}

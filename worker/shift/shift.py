@@ -1,0 +1,823 @@
+"""A lane shift (DESIGN §6): what cron runs as ``fleet shift --lane L``.
+
+One session, a bounded life: claim up to the free slots, run an agent per task, heartbeat every
+lease/3 (one call renews every lease of the session), store the agents' checkpoints, collect
+results; at the deadline, the task budget, an idle queue (``--once``) or SIGTERM/SIGINT: stop
+claiming, give running agents a grace period (SIGTERM, then SIGKILL), hand off what is
+unfinished with a snapshot, write the lane hand-off and close the session.
+
+Python only carries: every decision about a task's state is a ``fleet.*`` call. A heartbeat that
+says ``lost`` or ``cancelled`` kills that agent at once and nothing more is written for the task
+except its run's token count (the tokens were spent either way).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
+
+import structlog
+
+from worker.agent.executor import (
+    EX_TEMPFAIL,
+    AgentProcess,
+    StreamUsage,
+    agent_env,
+    parse_result,
+    read_lines,
+    render_argv,
+    tail,
+)
+from worker.config import FleetConfig, LaneConfig
+from worker.errors import DatabaseUnavailable, FleetError, LeaseLost, SessionLost
+from worker.models import LaneHandoff, Task
+from worker.proc import process_start_time
+from worker.shift.batch import BatchRunner
+from worker.shift.dispatch import Dispatch, banner, classify_gate, resolve, usage_limit
+from worker.shift.guard import GuardServer
+from worker.shift.progress import Marks, over_budget, progress_marks, waiting_for
+from worker.store.protocol import Store
+from worker.workspace.disk import disk_use
+from worker.workspace.folder import Workspace, prepare, safe_name, workspace_for
+
+if TYPE_CHECKING:
+    from worker.workspace.git import Mirror
+
+EXIT_OK = 0
+#: the longest an idle shift waits between claims (it backs off from poll_seconds while the lane's
+#: queue stays empty; a freed slot or a claimed task claims again at once)
+IDLE_CLAIM_MAX = 5.0
+EXIT_SESSION_LOST = 3
+
+
+@dataclass
+class Job:
+    task: Task
+    ws: Workspace
+    agent: AgentProcess
+    log_path: Path
+    started: float
+    dispatch: Dispatch  # what this attempt runs with (profile, tier, model, command)
+    killed: str | None = None  # 'lost' | 'cancelled': the lease is gone, write nothing more
+    stopping: bool = False  # the shift is ending and asked this agent to stop
+    checkpoint_mtime: float | None = None
+    checkpoint: Any = None
+    # the verify gate runs in ``agent``'s place once the agent exited 0 (or at once, for a task an
+    # operator resumed): ``gate_until`` is its deadline (monotonic)
+    gate_until: float | None = None
+    result: Any = None  # the agent's AgentResult, kept for the completion after the gate
+    usage: StreamUsage = field(default_factory=StreamUsage)  # as the run streams it
+    spent_before: tuple[float, int] = (0.0, 0)  # the task's earlier runs: cost, tokens
+    budget: tuple[float | None, int | None] = (None, None)  # the task's: max cost, max tokens
+    over_budget: str | None = None  # why the shift stopped the agent for its budget
+    progress_marks: Marks = (0, None, None)
+
+    @property
+    def token(self) -> UUID:
+        assert self.task.lease_token is not None
+        return self.task.lease_token
+
+
+@dataclass
+class ShiftSummary:
+    session: UUID | None = None
+    reason: str = ""
+    claimed: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)
+    lane_handoff: int | None = None
+    handoff_file: Path | None = None
+    exit_code: int = EXIT_OK
+
+
+def call_budget(lane: LaneConfig) -> float:
+    """The most seconds one store call of a shift may take: a third of the lease, so that the
+    shift keeps heartbeating its agents through a database outage."""
+    return max(1.0, lane.lease_seconds / 3)
+
+
+def configure_logging(json_logs: bool | None = None) -> None:
+    """structlog: JSON lines when stderr is not a terminal, readable lines when it is."""
+    import sys
+
+    if json_logs is None:
+        json_logs = not sys.stderr.isatty()
+    renderer: Any = structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer()
+    structlog.configure(
+        processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso", utc=True), renderer],
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+class Shift:
+    def __init__(self, store: Store, cfg: FleetConfig, lane: str, *, max_seconds: float | None = None,
+                 max_tasks: int | None = None, slots: int | None = None, once: bool = False,
+                 poll_seconds: float = 0.5, host: str | None = None) -> None:
+        self.store = store
+        self.cfg = cfg
+        self.lane_name = lane
+        self.lane: LaneConfig = cfg.lane(lane)
+        self.max_seconds = max_seconds if max_seconds is not None else self.lane.shift_minutes * 60
+        self.max_tasks = max_tasks
+        self.slots = slots or self.lane.shift_slots()
+        self.once = once
+        self.poll_seconds = poll_seconds
+        self.host = host or socket.gethostname()
+        self.heartbeat_every = max(0.5, self.lane.lease_seconds / 3)
+        self.workspaces = cfg.path(cfg.fleet.workspaces)
+        self.jobs: dict[int, Job] = {}
+        # claimed batch carriers (task kind 'batch'), each run by its state machine (worker.shift.batch)
+        self.batches: dict[int, BatchRunner] = {}
+        # final calls (complete, fail, ...) that hit a connection failure: retried each loop until
+        # answered; a retry is safe because the lease token fences it. Each keeps its slot busy.
+        self.pending: dict[int, tuple[Callable[[], str], str]] = {}
+        self.summary = ShiftSummary()
+        self._stop_reason: str | None = None
+        self._wake = threading.Event()
+        self._lost = False
+        self.log = structlog.get_logger("lanefleet.shift").bind(lane=lane)
+        self._instructions: str | None = None
+        self._git_mirror: Mirror | None = None
+        self._lane_handoff: LaneHandoff | None = None
+        # idle back-off: after an empty claim the next waits claim_delay (doubling from poll_seconds
+        # up to IDLE_CLAIM_MAX) unless a slot was freed since (fewer busy than at that claim)
+        self._claim_delay = poll_seconds
+        self._next_claim = 0.0
+        self._busy_at_empty = 0
+
+    # -- signals
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the shift is ending (deadline, task-budget, idle, SIGTERM, ...); None while it runs."""
+        return self._stop_reason
+
+    def request_stop(self, reason: str) -> None:
+        if self._stop_reason is None:
+            self._stop_reason = reason
+        self._wake.set()
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, _frame: object) -> None:
+            self.request_stop(signal.Signals(signum).name)
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    # -- the loop
+
+    def run(self) -> ShiftSummary:
+        pid = os.getpid()
+        session = self.store.open_session(self.lane_name, self.host, pid, process_start_time(pid),
+                                          max(1, math.ceil(self.max_seconds)))
+        self.summary.session = session
+        self.session = session
+        self.log = self.log.bind(session=str(session))
+        self.log.info("shift started", slots=self.slots, seconds=self.max_seconds, host=self.host, pid=pid)
+        # `fleet guard` in an agent asks it whether the task's lease still holds (never raises)
+        self._guard = GuardServer(self.store, log=self.log)
+        self._guard.start()
+        # what this lane's agents run, resolved exactly as a spawn resolves it (`fleet profiles`)
+        self.log.info("dispatch", dispatch=banner(self.cfg, self.lane_name),
+                      verify=" ".join(self.lane.verify) if self.lane.verify else None)
+        self.deadline = time.monotonic() + self.max_seconds
+        self.deadline_at = datetime.now(UTC) + timedelta(seconds=self.max_seconds)
+        next_heartbeat = time.monotonic() + self.heartbeat_every
+        try:
+            try:
+                self._lane_handoff = self.store.last_lane_handoff(self.lane_name)
+            except DatabaseUnavailable as exc:
+                self.log.warning("could not read the lane's last hand-off", error=str(exc))
+            while True:
+                self._reap()
+                self._retry_pending()
+                now = time.monotonic()
+                if self._stop_reason is None:
+                    if now >= self.deadline:
+                        self._stop_reason = "deadline"
+                    elif self._budget_left() == 0 and not self._busy():
+                        self._stop_reason = "task-budget"
+                if self._stop_reason is not None:
+                    break
+                if now >= next_heartbeat:
+                    self._heartbeat()
+                    next_heartbeat = now + self.heartbeat_every
+                claimed = [] if self._lost else self._claim()
+                if self._lost:  # the heartbeat or the claim found the session declared lost
+                    self._stop_reason = "session-lost"
+                    break
+                if self.once and not claimed and not self._busy():
+                    self._stop_reason = "idle"
+                    break
+                if not claimed:
+                    self._wake.wait(min(self.poll_seconds, max(0.0, next_heartbeat - time.monotonic())))
+                    self._wake.clear()
+        finally:
+            self._shutdown(self._stop_reason or "error")
+        return self.summary
+
+    def _busy(self) -> bool:
+        return bool(self.jobs or self.pending or self.batches)
+
+    def _budget_left(self) -> int | None:
+        return None if self.max_tasks is None else max(0, self.max_tasks - self.summary.claimed)
+
+    def _claim(self) -> list[Task]:
+        free = self.slots - len(self.jobs) - len(self.pending) - len(self.batches)
+        budget = self._budget_left()
+        if budget is not None:
+            free = min(free, budget)
+        if free <= 0:
+            return []
+        now = time.monotonic()
+        busy = len(self.jobs) + len(self.pending) + len(self.batches)
+        if not self.once and now < self._next_claim and busy >= self._busy_at_empty:
+            return []  # the queue was empty a moment ago and no slot was freed since
+        self._compose_batch()
+        try:
+            tasks = self.store.claim(self.session, free)
+        except SessionLost:
+            self._lost = True
+            return []
+        except DatabaseUnavailable as exc:
+            self.log.warning("claim failed; will try again", error=str(exc))
+            return []
+        if tasks:
+            self._claim_delay, self._next_claim = self.poll_seconds, 0.0
+        else:
+            self._busy_at_empty, self._next_claim = busy, now + self._claim_delay
+            self._claim_delay = min(self._claim_delay * 2, max(self.poll_seconds, IDLE_CLAIM_MAX))
+        for task in tasks:
+            self.summary.claimed += 1
+            self._start(task)
+        return tasks
+
+    def _compose_batch(self) -> None:
+        """A lane with ``batch_size`` (and a ``repo``): make a batch of its ready tasks before the
+        claim (fleet.batch_compose, in claim order; none when fewer than two are ready)."""
+        if not self.lane.batch_size or not self.lane.repo:
+            return
+        try:
+            batch = self.store.batch_call("batch_compose", {"p_lane": self.lane_name, "p_size": self.lane.batch_size,
+                                                            "p_profile": None})
+        except FleetError as exc:
+            self.log.warning("could not compose a batch", error=str(exc))
+            return
+        if batch is not None:
+            self.log.info("batch composed", batch=batch, size=self.lane.batch_size)
+
+    # -- one task
+
+    def instructions(self) -> str:
+        if self._instructions is None:
+            path = self.cfg.instructions_path(self.lane_name)
+            try:
+                self._instructions = path.read_text()
+            except OSError:
+                self.log.warning("no lane instructions", path=str(path))
+                self._instructions = f"# Lane: {self.lane_name}\n"
+        return self._instructions
+
+    def _start(self, task: Task) -> None:
+        if task.kind == "batch":  # a batch carrier: its members run one after another (worker.shift.batch)
+            self.batches[task.id] = BatchRunner(self, task)
+            self.log.info("batch claimed", task=task.id, batch=task.batch_id, attempt=task.attempts)
+            return
+        log = self.log.bind(task=task.id, key=task.key, attempt=task.attempts)
+        ws = workspace_for(self.workspaces, self.lane_name, task.key)
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+        log_path = self.workspaces / self.lane_name / "logs" / f"{task.id}-{safe_name(task.key)}-a{task.attempts}-{stamp}.log"
+        d = resolve(self.cfg, self.lane_name, task.run_profile, task.tier, task.pool)
+        gate_only = task.verify_pending and bool(self.lane.verify)
+        budget, spent_before = self.task_budget(task, log)
+        if budget != (None, None):
+            over = over_budget(budget, *spent_before)
+            if over is not None:  # never retried into more spend
+                lease = task.lease_token
+                assert lease is not None
+                state = self._call(task.id, lambda: self.store.block(task.id, lease, "budget", over), "blocked")
+                log.warning("blocked before starting: the task's budget is spent", spent=over, state=state)
+                return
+        if self.lane.repo:
+            try:
+                head = self._git_worktree(task, ws)
+            except FleetError as exc:  # GitError: the repo or the mirror is unreachable, a branch diverged
+                from worker.workspace.git import BranchDiverged
+
+                error, lease_ = f"could not prepare the git worktree: {exc}"[:4000], task.lease_token
+                assert lease_ is not None
+                if isinstance(exc, BranchDiverged):
+                    # this host's commits and origin's both hold work: a person decides which to keep
+                    # (no attempt is spent on it); `fleet resume` then runs the agent again
+                    log.error("blocked: the task's branch diverged from origin", error=str(exc))
+                    self._call(task.id, lambda: self.store.block(task.id, lease_, "branch-diverged", error), "blocked")
+                    return
+                log.error("could not prepare the git worktree", error=str(exc))
+                self._call(task.id, lambda: self.store.fail(task.id, lease_, error), "failed")
+                return
+            log.info("git worktree ready", branch=self._branch(task), head=head[:12])
+        try:
+            prepare(ws, task, instructions=self.instructions(), lane_handoff=self._lane_handoff,
+                    hidden_sets=self.lane.hidden_files, shift_deadline=self.deadline_at)
+            self._touch_workspace(task, ws)
+            env = self.task_env(task, ws, d)
+            if gate_only:
+                agent = self.start_gate(ws, env, _gate_log(log_path))
+            else:
+                values = {"prompt_file": str(ws.prompt_file), "workspace": str(ws.root),
+                          "model": d.model or "", "task_id": str(task.id),
+                          "agent_session": task.agent_session or ""}
+                agent = AgentProcess(render_argv(d.command, values), cwd=ws.root, env=env, log_path=log_path)
+        except OSError as exc:
+            log.error("could not start the agent", error=str(exc))
+            error, token = f"could not start the agent: {exc}", task.lease_token
+            assert token is not None
+            self._call(task.id, lambda: self.store.fail(task.id, token, error), "failed")
+            return
+        job = Job(task=task, ws=ws, agent=agent, log_path=log_path, started=time.monotonic(), dispatch=d,
+                  spent_before=spent_before, budget=budget)
+        if gate_only:
+            job.gate_until = time.monotonic() + self.lane.verify_timeout
+        cp = ws.read_checkpoint()
+        if cp is not None:
+            job.checkpoint, job.checkpoint_mtime = cp
+        self.jobs[task.id] = job
+        self._record(job, {"log_path": str(log_path), "model": d.model, "tier": d.tier})
+        if gate_only:
+            log.info("verify gate started (resumed task: the gate only)", pid=agent.pid, log=str(log_path))
+        else:
+            log.info("agent started", pid=agent.pid, log=str(log_path), dispatch=d.describe())
+
+    def task_budget(self, task: Task, log: Any) -> tuple[tuple[float | None, int | None], tuple[float, int]]:
+        """The task's budget (its own, else the lane's: max cost, max tokens) and what its earlier
+        runs spent (cost, tokens; read only when there is a budget)."""
+        budget = (float(task.max_cost_usd) if task.max_cost_usd is not None else self.lane.max_cost_usd,
+                  task.max_tokens if task.max_tokens is not None else self.lane.max_tokens)
+        spent = (0.0, 0)
+        if budget != (None, None):
+            try:
+                spent = self.store.task_spend(task.id)
+            except FleetError as exc:
+                log.warning("could not read the task's spend; its budget counts this run only", error=str(exc))
+        return budget, spent
+
+    def task_env(self, task: Task, ws: Workspace, d: Dispatch, *, attempt: int | None = None,
+                 lease: UUID | None = None, **extra: str) -> dict[str, str]:
+        """An agent's (or a gate's) environment. ``attempt`` and ``lease``: the task's own unless
+        given (a batch member runs under its carrier's claim); ``extra``: more FLEET_* variables."""
+        return agent_env(os.environ, {
+            "FLEET_TASK_ID": str(task.id), "FLEET_TASK_KEY": task.key, "FLEET_LANE": self.lane_name,
+            "FLEET_ATTEMPT": str(task.attempts if attempt is None else attempt), "FLEET_WORKSPACE": str(ws.root),
+            "FLEET_MODEL": d.model or "", "FLEET_TIER": d.tier or "", "FLEET_PROFILE": d.profile or "",
+            "FLEET_AGENT_SESSION": task.agent_session or "",
+            **self.guard_env(task.lease_token if lease is None else lease),
+            **extra,
+        })
+
+    def guard_env(self, lease: UUID | None) -> dict[str, str]:
+        """What an agent's environment gets from this shift's guard for ``lease`` (FLEET_GUARD_SOCKET,
+        FLEET_LEASE_TOKEN, FLEET_BIN and PATH with ``fleet`` first on it)."""
+        return self._guard.agent_env(lease, os.environ.get("PATH"))
+
+    def start_gate(self, ws: Workspace, env: dict[str, str], gate_log: Path) -> AgentProcess:
+        """The lane's verify gate in the workspace, under a supervisor like an agent (it dies with
+        the shift), writing to ``gate_log``."""
+        assert self.lane.verify is not None
+        argv = render_argv(self.lane.verify, {"workspace": str(ws.root), "task_id": env["FLEET_TASK_ID"],
+                                              "model": env["FLEET_MODEL"], "prompt_file": str(ws.prompt_file),
+                                              "agent_session": env["FLEET_AGENT_SESSION"]})
+        return AgentProcess(argv, cwd=ws.root, env={**env, "FLEET_GATE": "1"}, log_path=gate_log)
+
+    # -- git workspaces
+
+    def mirror(self) -> Mirror:
+        """This host's mirror of the lane's repository (made at the first use)."""
+        from worker.workspace.git import Mirror
+
+        if self._git_mirror is None:
+            assert self.lane.repo is not None
+            # hidden files never get committed: the mirror's shared info/exclude lists them
+            excludes = ["/.fleet/"] + [f"/.{name}/" for name in self.lane.hidden_files if name != "fleet"]
+            self._git_mirror = Mirror(self.cfg.path(self.cfg.fleet.git_cache), self.lane.repo, excludes=tuple(excludes))
+        return self._git_mirror
+
+    def _branch(self, task: Task) -> str:
+        from worker.workspace.git import branch_name
+
+        return branch_name(self.lane_name, task.key)
+
+    def _git_worktree(self, task: Task, ws: Workspace) -> str:
+        """The task's worktree on its branch: cut from the lane's base at the first claim, reused
+        (commits kept) by later attempts on this host, recreated from the pushed branch on another."""
+        from worker.workspace.git import ensure_task_worktree
+
+        return str(ensure_task_worktree(self.mirror(), ws.root, self._branch(task), self.lane.base))
+
+    def _git_push(self, job: Job, *, commit_wip: bool) -> None:
+        """Push the task's branch so another host can continue from it (at a hand-off, uncommitted
+        work is committed first as a work-in-progress commit). Best effort: logged, never fatal."""
+        if not self.lane.repo:
+            return
+        from worker.workspace.git import commit_all, push
+
+        try:
+            if commit_wip:
+                commit_all(self.mirror(), job.ws.root,
+                           f"lanefleet: work in progress of {job.task.key} at hand-off (attempt {job.task.attempts})")
+            sha = push(self.mirror(), self._branch(job.task))
+            self.log.info("branch pushed", task=job.task.id, branch=self._branch(job.task), head=str(sha)[:12])
+        except FleetError as exc:
+            self.log.warning("could not push the task's branch", task=job.task.id, error=str(exc))
+
+    def _touch_workspace(self, task: Task, ws: Workspace) -> None:
+        """Record the task's workspace on this host with its size (fleet.workspaces), at the start
+        and the end of an attempt. Best effort: a failure is logged, never fatal."""
+        if task.lease_token is None:
+            return
+        try:
+            use = disk_use(ws.root, max_seconds=0.5)
+            self.store.touch_workspace(task.id, task.lease_token, self.host, os.path.abspath(ws.root), use.bytes)
+        except Exception as exc:  # the workspace record never costs the attempt
+            self.log.warning("could not record the workspace", task=task.id, error=str(exc))
+
+    def _record(self, job: Job, report: dict[str, Any]) -> None:
+        try:
+            self.store.record_run(job.token, {k: v for k, v in report.items() if v is not None})
+        except FleetError as exc:
+            self.log.warning("could not record the run", task=job.task.id, error=str(exc))
+
+    def count(self, outcome: str) -> None:
+        self.summary.outcomes[outcome] = self.summary.outcomes.get(outcome, 0) + 1
+
+    def _call(self, task_id: int, fn: Callable[[], str], outcome: str, *, retry: bool = False) -> str | None:
+        """Make one fenced final call. A lost lease is logged, not raised; a connection failure
+        leaves the call pending, to be made again (the lease stays ours meanwhile: the
+        heartbeat names the task)."""
+        try:
+            state = fn()
+        except LeaseLost as exc:
+            if retry:  # the first try may have committed before its connection broke
+                self.log.info("pending call answered: lease already gone", task=task_id, error=str(exc))
+            else:
+                self.log.warning("lease lost; result dropped", task=task_id, error=str(exc))
+            self.count("lease_lost")
+            return None
+        except DatabaseUnavailable as exc:
+            self.log.warning("final call failed; will retry", task=task_id, outcome=outcome, error=str(exc))
+            self.pending[task_id] = (fn, outcome)
+            return None
+        self.count(outcome)
+        return str(state)
+
+    def _retry_pending(self) -> None:
+        for task_id, (fn, outcome) in list(self.pending.items()):
+            del self.pending[task_id]
+            if self._call(task_id, fn, outcome, retry=True) is not None:
+                self.log.info("pending call made", task=task_id, outcome=outcome)
+
+    def _store_checkpoint(self, job: Job) -> None:
+        cp = job.ws.read_checkpoint()
+        if cp is None:
+            return
+        data, mtime = cp
+        if mtime == job.checkpoint_mtime and data == job.checkpoint:
+            return
+        try:
+            seq = self.store.checkpoint(job.task.id, job.token, data)
+        except LeaseLost:
+            self._kill(job, "lost")
+            return
+        except DatabaseUnavailable as exc:
+            self.log.warning("checkpoint not stored yet", task=job.task.id, error=str(exc))
+            return
+        job.checkpoint, job.checkpoint_mtime = data, mtime
+        self.log.info("checkpoint stored", task=job.task.id, seq=seq)
+
+    def _kill(self, job: Job, why: str) -> None:
+        if job.killed is None:
+            job.killed = why
+            job.agent.kill()
+            self.log.warning("agent killed", task=job.task.id, reason=why)
+
+    def _reap(self) -> None:
+        for task_id, runner in list(self.batches.items()):
+            runner.step()
+            if runner.done:
+                del self.batches[task_id]
+        for task_id, job in list(self.jobs.items()):
+            if job.gate_until is None:
+                job.usage.read(job.log_path)
+                self._check_budget(job)
+            code = job.agent.poll()
+            timed_out = False
+            if code is None and job.gate_until is not None and time.monotonic() > job.gate_until \
+                    and job.killed is None and not job.stopping:
+                job.agent.kill()  # a gate past its timeout: automation-broken
+                job.agent.wait(10)
+                code, timed_out = job.agent.poll(), True
+            if code is None:
+                continue
+            del self.jobs[task_id]
+            if job.gate_until is not None:
+                self._finish_gate(job, code, timed_out=timed_out)
+            else:
+                self._finish(job, code)
+
+    def _check_budget(self, job: Job) -> None:
+        if job.over_budget is not None or job.killed is not None or job.budget == (None, None):
+            return
+        over = over_budget(job.budget, job.spent_before[0] + job.usage.cost_usd,
+                            job.spent_before[1] + job.usage.tokens)
+        if over is not None:
+            job.over_budget = over
+            job.agent.kill()
+            self.log.warning("budget crossed: agent stopped", task=job.task.id, spent=over)
+
+    def _snapshot(self, job: Job, reason: str, code: int | None, agent_session: str | None) -> dict[str, Any]:
+        return {
+            "reason": reason, "attempt": job.task.attempts, "exit_code": code,
+            "ran_seconds": round(time.monotonic() - job.started, 1),
+            "checkpoint": job.checkpoint, "agent_session": agent_session or job.task.agent_session,
+            "log_path": str(job.log_path), "log_tail": tail(job.log_path, 1500),
+            "shift_session": str(self.session), "host": self.host,
+        }
+
+    def _finish(self, job: Job, code: int) -> None:
+        job.agent.release()
+        task = job.task
+        log = self.log.bind(task=task.id, key=task.key, attempt=task.attempts, exit_code=code)
+        result = parse_result(read_lines(job.log_path))
+        job.usage.read(job.log_path)
+        # the final record's modelUsage when there is one; else what the run streamed (a run that was
+        # stopped still spent its tokens)
+        usage = result.report() if result.found else {**result.report(), **job.usage.report()}
+        report: dict[str, Any] = {**usage, "exit_code": code, "log_path": str(job.log_path)}
+        if job.dispatch.model:
+            report["model"] = job.dispatch.model  # what was dispatched (modelUsage names sub-agents too)
+        if code != 0:
+            report["error_tail"] = tail(job.log_path, 2000)
+        self._record(job, report)  # tokens count even when the lease is gone
+        if job.killed is not None:
+            log.info("agent ended after its lease was gone", reason=job.killed)
+            self.count(job.killed)
+            return
+        self._store_checkpoint(job)
+        if job.killed is not None:  # the checkpoint found the lease gone
+            log.info("agent ended after its lease was gone", reason=job.killed)
+            self.count(job.killed)
+            return
+        self._touch_workspace(task, job.ws)  # while the lease still holds: before the final call
+        tid, token = task.id, job.token
+        if job.over_budget is not None:
+            over = job.over_budget
+            state = self._call(tid, lambda: self.store.block(tid, token, "budget", over), "blocked")
+            log.warning("blocked: the run crossed the task's budget", spent=over, state=state)
+            return
+        limit = None
+        if code != EX_TEMPFAIL:
+            profile = self.cfg.profiles.get(job.dispatch.profile) if job.dispatch.profile else None
+            limit = usage_limit(profile, code, result.summary, tail(job.log_path, 4000))
+        if code == EX_TEMPFAIL or (job.stopping and code != 0):
+            why = "agent asked to hand off (exit 75)" if code == EX_TEMPFAIL else f"shift ended ({self._stop_reason})"
+            snap = self._snapshot(job, why, code, result.session_id)
+            self._git_push(job, commit_wip=True)
+            state = self._call(tid, lambda: self.store.hand_off(tid, token, snap), "handed_off")
+            log.info("handed off", state=state)
+        elif limit is not None:
+            # never a success, never a spent attempt: the pool pauses, the task waits for the reset
+            until = self._call(tid, lambda: str(self.store.throttle(tid, token, limit.until, limit.note,
+                                                                    limit.after_seconds)), "throttled")
+            log.warning("usage limit: pool throttled, task requeued for after the reset",
+                        pool=task.pool, until=until, note=limit.note)
+        elif code != 0:
+            error = f"exit code {code}: {tail(job.log_path, 800).strip()[-800:]}"
+            state = self._call(tid, lambda: self.store.fail(tid, token, error, reason="unverified-exit"), "failed")
+            log.info("attempt failed", state=state)
+        elif result.found and result.is_error:
+            error = f"the agent reported is_error ({result.subtype}): {result.summary or ''}"[:2000]
+            state = self._call(tid, lambda: self.store.fail(tid, token, error, reason="unverified-exit"), "failed")
+            log.info("attempt failed: is_error", state=state)
+        elif self.lane.require_result and not result.found:
+            error = "unverified exit: exit 0 without a result record"
+            state = self._call(tid, lambda: self.store.fail(tid, token, error, reason="unverified-exit"), "failed")
+            log.info("attempt failed: unverified exit", state=state)
+        elif self.lane.verify and job.ws.read_route() is None:
+            # exit 0: the gate decides; the job keeps its slot while the gate runs
+            try:
+                job.agent = self.start_gate(job.ws, self.task_env(task, job.ws, job.dispatch),
+                                             _gate_log(job.log_path))
+            except OSError as exc:
+                self._end_gate(job, "automation-broken", f"the gate could not be started: {exc}")
+                return
+            job.gate_until = time.monotonic() + self.lane.verify_timeout
+            job.result = result
+            self.jobs[tid] = job
+            log.info("verify gate started", pid=job.agent.pid)
+        else:
+            route = job.ws.read_route()
+            if route is not None and "error" in route:
+                error = str(route["error"])
+                state = self._call(tid, lambda: self.store.fail(tid, token, error), "failed")
+                log.info("attempt failed: bad route file", state=state)
+            elif route is not None:
+                target, note = str(route["lane"]), route.get("note")
+                try:
+                    state = self._call(tid, lambda: self.store.route(tid, token, target, note), "routed")
+                except FleetError as exc:  # unknown lane, refused route: the agent's mistake
+                    error = f"route to {target!r} refused: {exc}"
+                    state = self._call(tid, lambda: self.store.fail(tid, token, error), "failed")
+                log.info("routed", to=target, state=state)
+            else:
+                res = {"summary": result.summary, "agent_session": result.session_id,
+                       "cost_usd": result.cost_usd} if result.found else {"summary": None}
+                self._git_push(job, commit_wip=False)  # the work, where other hosts and people see it
+                state = self._call(tid, lambda: self.store.complete(tid, token, res), "done")
+                log.info("done", state=state)
+
+    def _finish_gate(self, job: Job, code: int, *, timed_out: bool = False) -> None:
+        job.agent.release()
+        if job.killed is not None:
+            self.log.info("gate ended after its lease was gone", task=job.task.id, reason=job.killed)
+            self.count(job.killed)
+            return
+        self._touch_workspace(job.task, job.ws)
+        if job.stopping and code != 0:  # the shift ended under the gate: the next shift re-runs it
+            snap = self._snapshot(job, f"shift ended during the verify gate ({self._stop_reason})", code, None)
+            tid, token = job.task.id, job.token
+            self._call(tid, lambda: self.store.hand_off(tid, token, snap), "handed_off")
+            return
+        outcome, evidence = classify_gate(code, tail(job.agent.log_path, 8000), timed_out=timed_out)
+        self._end_gate(job, outcome, evidence)
+
+    def _end_gate(self, job: Job, outcome: str, evidence: str) -> None:
+        """Act on the gate's outcome: ok → done; task-failed → a failed attempt (escalating) with the
+        evidence; automation-broken | capability-unavailable → blocked until an operator acts."""
+        task, tid, token = job.task, job.task.id, job.token
+        log = self.log.bind(task=tid, key=task.key, attempt=task.attempts, gate=outcome)
+        self._record(job, {"gate": outcome})
+        if outcome == "ok":
+            result = job.result
+            res: dict[str, Any] = ({"summary": result.summary, "agent_session": result.session_id,
+                                    "cost_usd": result.cost_usd}
+                                   if result is not None and result.found else {"summary": None})
+            res["gate"] = "ok"
+            self._git_push(job, commit_wip=False)  # the work, where other hosts and people see it
+            state = self._call(tid, lambda: self.store.complete(tid, token, res), "done")
+            log.info("done: the verify gate passed", state=state)
+        elif outcome == "task-failed":
+            error = f"verify gate failed: {evidence[-1800:]}"
+            state = self._call(tid, lambda: self.store.fail(tid, token, error, reason="verify-failed"), "failed")
+            log.info("attempt failed: the verify gate says the work is wrong", state=state)
+        else:
+            state = self._call(tid, lambda: self.store.block(tid, token, outcome, evidence[-4000:]), "blocked")
+            log.warning("blocked: the verify gate could not judge", state=state, evidence=evidence[-300:])
+
+    # -- heartbeat
+
+    def _progress(self) -> tuple[list[int], dict[int, str]]:
+        """The jobs whose agent made progress since the last heartbeat (its log grew, a hook touched
+        ``.fleet/progress``, its checkpoint changed; a running gate counts), and the agents waiting
+        on a question or a permission prompt (``.fleet/attention.json``, the Notification hook's)."""
+        progressed: list[int] = []
+        attention: dict[int, str] = {}
+        for task_id, job in self.jobs.items():
+            marks = progress_marks(job.agent.log_path, job.ws)
+            if marks != job.progress_marks or job.gate_until is not None:
+                progressed.append(task_id)
+                job.progress_marks = marks
+            waiting = waiting_for(job.ws)
+            if waiting:
+                attention[task_id] = waiting
+        return progressed, attention
+
+    def _heartbeat(self) -> None:
+        progressed, attention = self._progress()
+        try:
+            progressed += [tid for tid, runner in self.batches.items() if runner.progressed()]
+            attention.update({tid: w for tid, runner in self.batches.items() if (w := runner.attention())})
+            statuses = self.store.heartbeat(self.session, [*self.jobs, *self.pending, *self.batches], progressed,
+                                            attention)
+        except SessionLost as exc:
+            self.log.error("session lost: stopping every agent", error=str(exc))
+            self._lost = True
+            for job in self.jobs.values():
+                self._kill(job, "lost")
+            for runner in self.batches.values():
+                runner.lease_gone("lost")
+            return
+        except DatabaseUnavailable as exc:
+            self.log.warning("heartbeat failed; will try again", error=str(exc))
+            return
+        for task_id, job in self.jobs.items():
+            status = statuses.get(task_id, "lost")
+            if status != "ok":
+                self._kill(job, status)
+            else:
+                self._store_checkpoint(job)
+        for task_id, runner in self.batches.items():
+            status = statuses.get(task_id, "lost")
+            if status != "ok":
+                runner.lease_gone(status)
+
+    # -- the end of the shift
+
+    def _shutdown(self, reason: str) -> None:
+        self.summary.reason = reason
+        self.log.info("shift ending", reason=reason, running=len(self.jobs))
+        if self._busy() and not self._lost:
+            for job in self.jobs.values():
+                job.stopping = True
+                job.agent.terminate()
+            for runner in self.batches.values():
+                runner.stop()
+            grace_end = time.monotonic() + self.lane.grace_seconds
+            next_heartbeat = time.monotonic() + self.heartbeat_every
+            while self._busy() and time.monotonic() < grace_end:
+                self._reap()
+                self._retry_pending()
+                if time.monotonic() >= next_heartbeat:  # keep the leases through the grace period
+                    self._heartbeat()
+                    next_heartbeat = time.monotonic() + self.heartbeat_every
+                time.sleep(0.05)
+        for job in self.jobs.values():
+            job.stopping = True
+            job.agent.kill()
+        for runner in list(self.batches.values()):
+            runner.kill()
+            if runner.running is not None:
+                try:
+                    runner.running.proc.wait(10)
+                except Exception:
+                    self.log.error("supervisor did not exit", task=runner.task.id, pid=runner.running.proc.pid)
+        for job in list(self.jobs.values()):
+            try:
+                job.agent.wait(10)
+            except Exception:
+                self.log.error("supervisor did not exit", task=job.task.id, pid=job.agent.pid)
+        self._reap()
+        self._retry_pending()
+        if self.pending:  # close_session releases them (each counts as an evaporation)
+            self.log.error("final calls never answered", tasks=sorted(self.pending))
+        self.summary.exit_code = EXIT_SESSION_LOST if self._lost else EXIT_OK
+        try:
+            notes = {"reason": reason, "host": self.host, "pid": os.getpid(), "slots": self.slots,
+                     "claimed": self.summary.claimed, "outcomes": self.summary.outcomes}
+            self.summary.lane_handoff = self.store.close_session(self.session, reason, notes)
+            handoff = self.store.last_lane_handoff(self.lane_name)
+            if handoff is not None and handoff.id == self.summary.lane_handoff:
+                self.summary.handoff_file = write_lane_handoff(self.workspaces / self.lane_name / "handoffs",
+                                                               handoff)
+        except FleetError as exc:
+            self.log.error("could not close the session", error=str(exc))
+        self.log.info("shift ended", reason=reason, claimed=self.summary.claimed, **self.summary.outcomes)
+        self._guard.stop()  # last: an agent's `fleet guard` now finds no shift, and refuses
+
+
+def _gate_log(log_path: Path) -> Path:
+    """The verify gate's log beside its run's."""
+    return log_path.with_name(log_path.stem + "-gate.log")
+
+
+def lane_handoff_markdown(h: LaneHandoff) -> str:
+    c, t = h.counts, h.tokens
+    lines = [
+        f"# Lane hand-off: {h.lane}", "",
+        f"- session: `{h.session_id}`",
+        f"- window: {h.window_start:%Y-%m-%d %H:%M:%S} → {h.window_end:%H:%M:%S} UTC ({h.end_reason})",
+        f"- runs: {c.get('runs', 0)} — done {c.get('done', 0)}, failed {c.get('failed', 0)}, "
+        f"handed off {c.get('handed_off', 0)}, routed {c.get('routed', 0)}, lost {c.get('lost', 0)}, "
+        f"cancelled {c.get('cancelled', 0)}",
+        f"- tokens: input {t.get('input', 0)}, cache creation {t.get('cache_creation', 0)}, "
+        f"cache read {t.get('cache_read', 0)}, output {t.get('output', 0)}; cost ${h.cost_usd:.4f}",
+    ]
+    for label, ids in (("completed", h.completed), ("failed", h.failed), ("handed off", h.handed_off)):
+        if ids:
+            lines.append(f"- {label}: {', '.join(str(i) for i in ids)}")
+    if h.queue_head:
+        lines += ["", "## Head of the queue", ""]
+        for q in h.queue_head:
+            # (hand-offs written before the column was renamed call it "resume")
+            flag = " (carried over)" if q.get("carry_over", q.get("resume")) else ""
+            lines.append(f"- {q.get('id')} `{q.get('key')}` priority {q.get('priority')}{flag}")
+    if h.notes:
+        lines += ["", "## Notes", "", "```json", json.dumps(h.notes, indent=2, default=str), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def write_lane_handoff(folder: Path, h: LaneHandoff) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{h.window_end:%Y%m%dT%H%M%S}-{h.session_id}.md"
+    path.write_text(lane_handoff_markdown(h))
+    return path

@@ -1,0 +1,242 @@
+"""A task's workspace: ``<workspaces>/<lane>/<task key>/`` with its hidden files and its prompt.
+
+Hidden files (DESIGN §6) come from ``hidden_files/<set>/`` and land in ``<workspace>/.<set>/``;
+``{{name}}`` in a template is replaced by the task's values. Rendering never overwrites a file
+the task's own repository already has: only files lanefleet wrote itself (listed in
+``.fleet/rendered.json``) are written again. Files holding task identity are mode 0600.
+
+A workspace outlives its attempt (a retry or a hand-off on the same host finds it again); the shift
+records its size in ``fleet.workspaces`` and the monitor removes it once its task has been finished
+for the lane's retention (:mod:`worker.workspace.disk`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from worker.errors import InvalidInput
+from worker.models import LaneHandoff, Task
+from worker.resources import resource_dir
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_VAR = re.compile(r"\{\{(\w+)\}\}")
+MANIFEST = "rendered.json"
+
+
+def safe_name(key: str) -> str:
+    """A file-system name for a task key (``issue:473`` → ``issue_473``)."""
+    name = _UNSAFE.sub("_", key).strip("._") or "task"
+    return name[:120]
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read, atomically."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class Workspace:
+    root: Path
+
+    @property
+    def fleet(self) -> Path:
+        return self.root / ".fleet"
+
+    @property
+    def prompt_file(self) -> Path:
+        return self.fleet / "prompt.md"
+
+    @property
+    def checkpoint_file(self) -> Path:
+        return self.fleet / "checkpoint.json"
+
+    @property
+    def route_file(self) -> Path:
+        return self.fleet / "route.json"
+
+    def read_checkpoint(self) -> tuple[Any, float] | None:
+        """The agent's checkpoint and the file's mtime, or None if absent or not valid JSON yet."""
+        try:
+            stat = self.checkpoint_file.stat()
+            return json.loads(self.checkpoint_file.read_text()), stat.st_mtime
+        except (OSError, ValueError):
+            return None
+
+    def read_route(self) -> dict[str, Any] | None:
+        """``.fleet/route.json`` if the agent wrote one: ``{"lane": ..., "note": ...}``."""
+        try:
+            data = json.loads(self.route_file.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            return {"error": f".fleet/route.json is not valid JSON: {exc}"}
+        if not isinstance(data, dict) or not isinstance(data.get("lane"), str):
+            return {"error": '.fleet/route.json must be {"lane": "<lane>", "note": ...}'}
+        return data
+
+
+def workspace_for(workspaces: Path, lane: str, key: str) -> Workspace:
+    return Workspace(workspaces / lane / safe_name(key))
+
+
+def render_hidden_files(ws: Workspace, sets: list[str], values: Mapping[str, str]) -> list[Path]:
+    """Render the hidden-file sets into the workspace; returns the files written."""
+    ws.fleet.mkdir(parents=True, exist_ok=True)
+    manifest_path = ws.fleet / MANIFEST
+    try:
+        ours = set(json.loads(manifest_path.read_text()))
+    except (OSError, ValueError):
+        ours = set()
+    base = resource_dir("hidden_files")
+    written: list[Path] = []
+    for name in sets:
+        src_root = base / name
+        if not src_root.is_dir():
+            raise FileNotFoundError(f"hidden file set {name!r} does not exist in {base}")
+        for src in sorted(p for p in src_root.rglob("*") if p.is_file()):
+            rel = Path("." + name) / src.relative_to(src_root)
+            dest = ws.root / rel
+            if dest.exists() and str(rel) not in ours:
+                continue  # the task's repository has its own: never overwrite it
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            text = _VAR.sub(lambda m: values.get(m.group(1), m.group(0)), src.read_text())
+            write_atomic(dest, text)
+            ours.add(str(rel))
+            written.append(dest)
+    write_atomic(manifest_path, json.dumps(sorted(ours), indent=1))
+    return written
+
+
+def _json_block(data: Any) -> str:
+    return "```json\n" + json.dumps(data, indent=2, sort_keys=True, default=str) + "\n```"
+
+
+def handoff_markdown(task: Task) -> str:
+    """``.fleet/handoff.md``: what earlier shifts and stages left for this task."""
+    parts = [f"# Hand-off for task {task.key}\n"]
+    if task.handoff:
+        h = task.handoff
+        parts.append("## The previous shift\n")
+        parts.append(f"- reason: {h.get('reason', 'shift ended')}")
+        if h.get("ran_seconds") is not None:
+            parts.append(f"- ran for {h['ran_seconds']:.0f} s in attempt {h.get('attempt')}")
+        if h.get("agent_session"):
+            parts.append(f"- agent session: `{h['agent_session']}` (resume it)")
+        if h.get("log_path"):
+            parts.append(f"- log: `{h['log_path']}`")
+        if h.get("log_tail"):
+            parts.append("\nThe end of its log:\n\n```\n" + str(h["log_tail"])[-1500:] + "\n```")
+    if task.stages:
+        parts.append("\n## Earlier stages\n")
+        for i, st in enumerate(task.stages, 1):
+            parts.append(f"{i}. lane **{st.get('lane')}** → {st.get('routed_to')} after "
+                         f"{st.get('attempts')} attempt(s)")
+            if st.get("note") is not None:
+                note = st["note"]
+                parts.append(f"   note: {note if isinstance(note, str) else json.dumps(note)}")
+    if len(parts) == 1:
+        parts.append("Nothing yet: this is the task's first shift.")
+    return "\n".join(parts) + "\n"
+
+
+def build_prompt(task: Task, instructions: str, lane_handoff: LaneHandoff | None) -> str:
+    """The prompt of one attempt: lane instructions, the task, and everything left for it."""
+    parts = [instructions.rstrip(), "", "---", "", f"# Your task: {task.title or task.key}", "",
+             f"- key: `{task.key}`", f"- id: {task.id}", f"- attempt: {task.attempts}"]
+    if task.payload:
+        parts += ["", "## Payload", "", _json_block(task.payload)]
+    if task.stages:
+        last = task.stages[-1]
+        parts += ["", "## This task comes from an earlier stage", "",
+                  f"Lane **{last.get('lane')}** routed it here."]
+        note = last.get("note")
+        if note is not None:
+            parts += ["Its note:", "", note if isinstance(note, str) else _json_block(note)]
+        parts += ["", "Stage history:"]
+        for i, st in enumerate(task.stages, 1):
+            parts.append(f"{i}. {st.get('lane')} ({st.get('attempts')} attempt(s))")
+    if task.checkpoint is not None:
+        parts += ["", f"## Where you left off (checkpoint #{task.checkpoint_seq})", "",
+                  _json_block(task.checkpoint)]
+    if task.handoff:
+        parts += ["", "## The previous shift handed this task off", "",
+                  "Read `.fleet/handoff.md` for its snapshot and the end of its log."]
+        if task.agent_session:
+            parts.append(f"Your earlier agent session is `{task.agent_session}`.")
+    if task.review_note:
+        parts += ["", "## Review: your last result was sent back", "",
+                  "A reviewer rejected the last attempt's result with this note. Address it:", "",
+                  task.review_note.strip()[-4000:]]
+    if task.last_error and task.failures:
+        parts += ["", f"## The last attempt failed ({task.failures} failure(s) so far)", "",
+                  "```", task.last_error[-1500:], "```"]
+    if lane_handoff is not None:
+        c = lane_handoff.counts
+        parts += ["", "## The lane's last shift", "",
+                  f"It ended at {lane_handoff.window_end:%Y-%m-%d %H:%M} UTC ({lane_handoff.end_reason}): "
+                  f"{c.get('done', 0)} done, {c.get('failed', 0)} failed, "
+                  f"{c.get('handed_off', 0)} handed off."]
+        notes = lane_handoff.notes.get("notes") if lane_handoff.notes else None
+        if notes:
+            parts.append(f"Its notes: {notes}")
+    parts += ["", "Read `.fleet/README.md` for how to checkpoint, hand off and finish.", ""]
+    return "\n".join(parts)
+
+
+def prepare(ws: Workspace, task: Task, *, instructions: str, lane_handoff: LaneHandoff | None,
+            hidden_sets: list[str], shift_deadline: datetime) -> None:
+    """Lay out the workspace for one attempt of ``task``."""
+    ws.root.mkdir(parents=True, exist_ok=True)
+    values = {
+        "task_id": str(task.id), "task_key": task.key, "lane": task.lane,
+        "attempt": str(task.attempts), "shift_deadline": shift_deadline.isoformat(timespec="seconds"),
+    }
+    render_hidden_files(ws, sorted(set(hidden_sets) | {"fleet"}), values)
+    write_private(ws.fleet / "task.json", json.dumps({
+        "id": task.id, "key": task.key, "lane": task.lane, "title": task.title,
+        "attempt": task.attempts, "payload": task.payload,
+        "lease_expires_at": task.lease_expires_at, "shift_deadline": shift_deadline,
+        "agent_session": task.agent_session,
+    }, indent=2, default=str))
+    write_atomic(ws.fleet / "handoff.md", handoff_markdown(task))
+    # the database holds the truth: the workspace gets its checkpoint, or none
+    if task.checkpoint is not None:
+        write_atomic(ws.checkpoint_file, json.dumps(task.checkpoint, indent=2))
+    else:
+        ws.checkpoint_file.unlink(missing_ok=True)
+    ws.route_file.unlink(missing_ok=True)
+    write_atomic(ws.prompt_file, build_prompt(task, instructions, lane_handoff))
+
+
+def save_checkpoint(workspace: Path | None, data: str) -> None:
+    """``fleet checkpoint``, an agent's call: write ``data`` (a JSON value, or ``@file``) as the
+    checkpoint of the task ``workspace``; the shift stores it at its next heartbeat."""
+    if workspace is None:
+        raise InvalidInput("no workspace: run this inside a task (FLEET_WORKSPACE) or pass --workspace")
+    text = Path(data[1:]).read_text() if data.startswith("@") else data
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInput(f"--data is not valid JSON: {exc.msg}") from None
+    folder = workspace / ".fleet"
+    if not folder.is_dir():
+        raise InvalidInput(f"{workspace} is not a task workspace (no .fleet/ folder)")
+    write_atomic(folder / "checkpoint.json", json.dumps(value))
