@@ -435,3 +435,54 @@ end
 $$;
 revoke all on function fleet._done_state(text) from public;
 grant execute on function fleet._done_state(text) to service_role;
+
+-- What a verify gate's outcome does to the work it judged: the one mapping, for a task
+-- (fleet.gate_verdict), a batch member (fleet.batch_member_gate) and a batch's own gate
+-- (fleet.batch_tail). ok → the work lands; task-failed → the work is wrong (a failed attempt, an
+-- evicted member); automation-broken or capability-unavailable → the gate could not judge, and a
+-- person must look (blocked).
+create or replace function fleet._gate_transition(p_gate text)
+returns text
+language plpgsql
+immutable
+as $$
+begin
+    case p_gate
+        when 'ok' then return 'done';
+        when 'task-failed' then return 'failed';
+        when 'automation-broken', 'capability-unavailable' then return 'blocked';
+        else perform fleet._raise('LF005', format('%L is not a gate outcome', p_gate),
+                 'ok, task-failed, automation-broken or capability-unavailable');
+    end case;
+    return null;
+end
+$$;
+revoke all on function fleet._gate_transition(text) from public;
+grant execute on function fleet._gate_transition(text) to service_role;
+
+-- A task's verify gate has judged its agent's work (p_result: what complete records, when it
+-- passed). Returns the task's state: done (or review), queued or dead (a failed attempt, reason
+-- verify-failed, which escalates like any failure), blocked (the gate's outcome is the reason).
+create or replace function fleet.gate_verdict(p_task bigint, p_token uuid, p_gate text, p_evidence text default null,
+                                              p_result jsonb default null)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+begin
+    case fleet._gate_transition(p_gate)
+        when 'done' then
+            perform fleet.complete(p_task, p_token, coalesce(p_result, '{}') || jsonb_build_object('gate', 'ok'));
+            return (select state from fleet.tasks where id = p_task);
+        when 'failed' then
+            return fleet.fail(p_task, p_token, 'verify gate failed: ' || coalesce(right(p_evidence, 1800), ''),
+                              true, 'verify-failed');
+        else
+            return fleet.block(p_task, p_token, p_gate, right(p_evidence, 4000));
+    end case;
+end
+$$;
+revoke all on function fleet.gate_verdict(bigint,uuid,text,text,jsonb) from public;
+grant execute on function fleet.gate_verdict(bigint,uuid,text,text,jsonb) to fleet_worker, service_role;
+

@@ -229,9 +229,11 @@ $$;
 revoke all on function fleet.batch_member_start(bigint,uuid,integer,text,text,text) from public;
 grant execute on function fleet.batch_member_start(bigint,uuid,integer,text,text,text) to fleet_worker, service_role;
 
--- The member's gate state: 'pending' once its agent exited 0 (a takeover re-runs the gate, not
--- the agent; p_usage: the agent's report, which records the member's run), then the gate's
--- outcome.
+-- The member's gate: 'pending' once its agent exited 0 (a takeover re-runs the gate, not the
+-- agent; p_usage: the agent's report, which records the member's run), then the gate's outcome,
+-- which decides the member's next step (fleet._gate_transition): 'land' (ok), 'evicted'
+-- (task-failed: fleet.batch_member_evicted), 'blocked' (the gate could not judge: the batch is
+-- blocked, fleet.batch_block). Returns that step, or 'pending'.
 create or replace function fleet.batch_member_gate(p_carrier bigint, p_token uuid, p_n int, p_gate text,
                                         p_evidence text default null, p_usage jsonb default null)
 returns text
@@ -242,20 +244,29 @@ as $$
 declare
     b fleet.batches;
     m fleet.batch_members;
+    v_to text := case when p_gate = 'pending' then 'pending' else fleet._gate_transition(p_gate) end;
 begin
     b := fleet._batch_fenced(p_carrier, p_token);
     m := fleet._batch_member(b.id, p_n);
     if m.state <> 'running' then
         perform fleet._raise('LF004', format('member %s of batch %s is %s, not running', p_n, b.id, m.state));
     end if;
+    if v_to = 'failed' then
+        perform fleet.batch_member_evicted(p_carrier, p_token, p_n, coalesce(p_evidence, ''), p_gate, p_usage);
+        return 'evicted';
+    end if;
     update fleet.batch_members
        set gate = p_gate, evidence = coalesce(right(p_evidence, 4000), evidence)
      where batch_id = b.id and n = p_n;
     perform fleet._batch_member_run(b, m, p_usage,
-        case when p_gate in ('pending', 'ok') then 'done' else 'blocked' end,
+        case when v_to in ('pending', 'done') then 'done' else 'blocked' end,
         case when p_gate = 'pending' then null else p_gate end,
-        case when p_gate in ('pending', 'ok') then null else p_gate end);
-    return p_gate;
+        case when v_to in ('pending', 'done') then null else p_gate end);
+    if v_to = 'blocked' then
+        perform fleet.batch_block(p_carrier, p_token, p_gate, p_evidence, p_n);
+        return 'blocked';
+    end if;
+    return case v_to when 'done' then 'land' else 'pending' end;
 end
 $$;
 revoke all on function fleet.batch_member_gate(bigint,uuid,integer,text,text,jsonb) from public;
@@ -473,7 +484,7 @@ revoke all on function fleet.batch_finish(bigint,uuid,jsonb) from public;
 grant execute on function fleet.batch_finish(bigint,uuid,jsonb) to fleet_worker, service_role;
 
 create or replace function fleet.batch_tail(p_carrier bigint, p_token uuid, p_step text, p_outcome jsonb)
-returns void
+returns text
 language plpgsql
 security definer
 set search_path = pg_catalog, fleet, pg_temp
@@ -499,20 +510,28 @@ begin
          where id = b.id;
         perform fleet._event('batch_ship_started', b.lane, p_carrier, null,
             jsonb_build_object('batch', b.id, 'rerun', b.report ? 'ship_started') || coalesce(p_outcome, '{}'));
-        return;
+        return 'recorded';
     end if;
     update fleet.batches set report = report || jsonb_build_object(p_step, p_outcome), current_n = null
      where id = b.id;
     if p_step = 'ship' then
         perform fleet._event('batch_shipped', b.lane, p_carrier, null,
             jsonb_build_object('batch', b.id) || coalesce(p_outcome, '{}'));
+    elsif fleet._gate_transition(p_outcome ->> 'gate') <> 'done' then
+        -- the batch's own gate said no (or could not judge): nothing ships until a person looks
+        perform fleet.batch_block(p_carrier, p_token,
+            case when p_outcome ->> 'gate' = 'task-failed' then 'batch-verify-failed' else p_outcome ->> 'gate' end,
+            p_outcome ->> 'evidence');
+        return 'blocked';
     end if;
+    return 'recorded';
 end
 $$;
 comment on function fleet.batch_tail(bigint, uuid, text, jsonb) is
     'A step of a batch''s tail: batch_verify or ship with its outcome in the batch''s report, or ship_started '
     'recorded before the ship command runs (a takeover that finds it without a ship outcome re-runs ship '
-    'with FLEET_BATCH_SHIP_RERUN=1). Fenced by the carrier''s lease.';
+    'with FLEET_BATCH_SHIP_RERUN=1). A batch_verify whose gate is not ok blocks the batch. Returns '
+    'recorded or blocked. Fenced by the carrier''s lease.';
 revoke all on function fleet.batch_tail(bigint,uuid,text,jsonb) from public;
 grant execute on function fleet.batch_tail(bigint,uuid,text,jsonb) to fleet_worker, service_role;
 

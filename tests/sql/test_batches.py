@@ -90,3 +90,59 @@ def test_a_malformed_member_usage_is_refused_and_changes_nothing(conn: psycopg.C
     assert err.value.sqlstate == "LF005" and names in str(err.value)
     assert one(conn, "select gate from fleet.batch_members where batch_id = %s", (batch,)) is None
     assert one(conn, "select count(*) from fleet.runs r join fleet.tasks t on t.id = r.task_id where t.key = 'm'") == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# the gate outcome decides the member's next step (fleet._gate_transition, in the finish group)
+
+
+def _one_member_batch(conn: psycopg.Connection, keys: list[str]) -> tuple[int, Any, int]:
+    sync_lane(conn, "code")
+    s = open_session(conn, "code")
+    for k in keys:
+        enqueue(conn, "code", k)
+    batch = call(conn, "batch_create", "code", keys, 4, None)
+    carrier = one(conn, "select task_id from fleet.batches where id = %s", (batch,))
+    ctok = take_lease(conn, s, carrier)
+    call(conn, "batch_setup", carrier, ctok, "main", f"batch/{batch}")
+    call(conn, "batch_member_start", carrier, ctok, 1, "b", "/w", "c0")
+    call(conn, "batch_member_gate", carrier, ctok, 1, "pending", None, member_usage(10))
+    return carrier, ctok, batch
+
+
+@pytest.mark.parametrize("gate, step, member, batch_state, task_state", [
+    ("ok", "land", "running", "running", "batched"),
+    ("task-failed", "evicted", "evicted", "running", "queued"),
+    ("automation-broken", "blocked", "running", "blocked", "batched"),
+    ("capability-unavailable", "blocked", "running", "blocked", "batched"),
+])
+def test_the_members_gate_outcome_chooses_its_next_step(conn: psycopg.Connection, gate: str, step: str,
+                                                         member: str, batch_state: str, task_state: str) -> None:
+    carrier, ctok, batch = _one_member_batch(conn, ["m", "n"])
+    assert call(conn, "batch_member_gate", carrier, ctok, 1, gate, "evidence", None) == step
+    got = one(conn, "select state from fleet.batch_members where batch_id = %s and n = 1", (batch,))
+    assert got == member
+    assert one(conn, "select state from fleet.batches where id = %s", (batch,)) == batch_state
+    assert one(conn, "select state from fleet.tasks where key = 'm'") == task_state
+
+
+def test_an_unknown_gate_outcome_is_refused_and_changes_nothing(conn: psycopg.Connection) -> None:
+    carrier, ctok, batch = _one_member_batch(conn, ["m"])
+    with pytest.raises(psycopg.Error, match="'maybe' is not a gate outcome") as err:
+        call(conn, "batch_member_gate", carrier, ctok, 1, "maybe", None, None)
+    assert err.value.sqlstate == "LF005"
+    assert one(conn, "select gate from fleet.batch_members where batch_id = %s and n = 1", (batch,)) == "pending"
+
+
+@pytest.mark.parametrize("gate, answer, reason", [
+    ("ok", "recorded", None), ("task-failed", "blocked", "batch-verify-failed"),
+    ("automation-broken", "blocked", "automation-broken")])
+def test_the_batchs_own_gate_blocks_it_unless_ok(conn: psycopg.Connection, gate: str, answer: str,
+                                                 reason: str | None) -> None:
+    carrier, ctok, batch = _one_member_batch(conn, ["m"])
+    call(conn, "batch_member_gate", carrier, ctok, 1, "ok", None, None)
+    call(conn, "batch_member_landed", carrier, ctok, 1, "c0", "c1", "ok")
+    got = call(conn, "batch_tail", carrier, ctok, "batch_verify", Jsonb({"gate": gate, "evidence": "out"}))
+    assert got == answer
+    row = rows(conn, "select state, block_reason from fleet.batches where id = %s", (batch,))[0]
+    assert row["block_reason"] == reason and (row["state"] == "blocked") == (answer == "blocked")

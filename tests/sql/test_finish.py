@@ -752,3 +752,43 @@ def test_record_run_racing_a_transition_of_its_task_does_not_deadlock(
         assert state == (
             {"cancel": "cancelled", "release": "queued", "complete": "done"}[transition],
         )
+
+
+# ------------------------------------------------------------------------------------------------
+# a task's verify gate: fleet.gate_verdict, the gate outcome → transition in the database
+
+
+@pytest.mark.parametrize("gate, state, reason", [
+    ("ok", "done", None), ("task-failed", "queued", None),
+    ("automation-broken", "blocked", "automation-broken"),
+    ("capability-unavailable", "blocked", "capability-unavailable")])
+def test_the_gate_verdict_decides_the_tasks_transition(conn, lane, session, gate: str, state: str,
+                                                       reason: str | None) -> None:
+    enqueue(conn, lane)
+    t = claim_one(conn, session)
+    got = one(conn, "select fleet.gate_verdict(%s, %s, %s, %s, %s)",
+              (t["id"], t["lease_token"], gate, "FAILED test_x", Jsonb({"summary": "did it"})))
+    assert got == state
+    row = task(conn, t["id"])
+    assert (row["state"], row["block_reason"]) == (state, reason)
+    if gate == "ok":
+        assert row["result"] == {"summary": "did it", "gate": "ok"}
+    if gate == "task-failed":  # a failed attempt with the gate's evidence, reason verify-failed
+        assert row["failures"] == 1 and row["last_error"] == "verify gate failed: FAILED test_x"
+        assert runs(conn, t["id"])[-1]["reason"] == "verify-failed"
+
+
+def test_an_unknown_gate_verdict_is_refused_and_keeps_the_lease(conn, lane, session) -> None:
+    enqueue(conn, lane)
+    t = claim_one(conn, session)
+    with refused("LF005"):
+        one(conn, "select fleet.gate_verdict(%s, %s, 'looks fine', null, null)", (t["id"], t["lease_token"]))
+    assert task(conn, t["id"])["state"] == "running"
+
+
+def test_a_gate_verdict_with_a_stale_token_changes_nothing(conn, lane, session) -> None:
+    enqueue(conn, lane)
+    t = claim_one(conn, session)
+    with refused("LF001"):
+        one(conn, "select fleet.gate_verdict(%s, %s, 'ok', null, null)", (t["id"], uuid.uuid4()))
+    assert task(conn, t["id"])["state"] == "running"

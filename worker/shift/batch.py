@@ -369,23 +369,28 @@ class BatchRunner:
             ws = self._ws(m)
             self._start_gate(ws, self._env(member_task, ws))
         else:
-            self._call("batch_member_gate", p_n=m["n"], p_gate="ok")
-            self.state = "land"
+            self._follow(self._call("batch_member_gate", p_n=m["n"], p_gate="ok"), "ok", m)
 
     def _after_gate(self, r: _Proc, code: int, timed_out: bool) -> None:
         m = self.member
         assert m is not None
         outcome, evidence = classify_gate(code, tail(r.proc.log_path, 8000), timed_out=timed_out)
         self.log.info("batch member's gate ended", n=m["n"], gate=outcome)
-        if outcome == "ok":
-            self._call("batch_member_gate", p_n=m["n"], p_gate="ok", p_evidence=evidence or None)
+        step = self._call("batch_member_gate", p_n=m["n"], p_gate=outcome, p_evidence=evidence or None)
+        self._follow(step, outcome, m, evidence)
+
+    def _follow(self, step: str, gate: str, m: dict[str, Any], evidence: str = "") -> None:
+        """Take the step fleet.batch_member_gate chose for the member's gate outcome: land it, go on
+        to the next member (it was evicted), or stop (the batch is blocked)."""
+        if step == "land":
             m["gate"] = "ok"
             self.state = "land"
-        elif outcome == "task-failed":
-            self._evict(evidence, "task-failed")
+        elif step == "evicted":
+            self.log.info("batch member evicted", n=m["n"], key=m["key"], gate=gate)
+            self._tear_down(m)
+            self.state = "next"
         else:
-            self._call("batch_member_gate", p_n=m["n"], p_gate=outcome, p_evidence=evidence)
-            self._block(outcome, evidence, m["n"])
+            self._blocked(gate, evidence, m["n"])
 
     def _evict(self, evidence: str, gate: str, usage: dict[str, Any] | None = None) -> None:
         """Evict the current member; ``usage``: its agent's report when the agent itself failed."""
@@ -494,11 +499,11 @@ class BatchRunner:
     def _after_batch_verify(self, r: _Proc, code: int, timed_out: bool) -> None:
         outcome, evidence = classify_gate(code, tail(r.proc.log_path, 8000), timed_out=timed_out)
         self.log.info("batch_verify ended", gate=outcome)
-        if outcome == "ok":
-            self._call("batch_tail", p_step="batch_verify", p_outcome={"gate": "ok", "exit_code": code})
-            self._reload()
+        report = {"gate": outcome, "exit_code": code} | ({"evidence": evidence[-4000:]} if evidence else {})
+        if self._call("batch_tail", p_step="batch_verify", p_outcome=report) == "blocked":
+            self._blocked(outcome, evidence)
         else:
-            self._block("batch-verify-failed" if outcome == "task-failed" else outcome, evidence)
+            self._reload()
 
     def _after_ship(self, r: _Proc, code: int, _timed_out: bool) -> None:
         out = tail(r.proc.log_path, 2000).strip()
@@ -541,6 +546,10 @@ class BatchRunner:
 
     def _block(self, reason: str, evidence: str, n: int | None = None) -> None:
         self._call("batch_block", p_reason=reason, p_evidence=evidence[-4000:], p_n=n)
+        self._blocked(reason, evidence, n)
+
+    def _blocked(self, reason: str, evidence: str, n: int | None = None) -> None:
+        """The batch is blocked (by this runner, or by the step the database chose): stop."""
         self.log.warning("batch blocked", reason=reason, n=n, evidence=evidence[-300:])
         self.shift.count("blocked")
         self.done = True

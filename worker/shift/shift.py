@@ -60,6 +60,11 @@ EXIT_OK = 0
 IDLE_CLAIM_MAX = 5.0
 EXIT_SESSION_LOST = 3
 
+# the outcome of a final call whose effect the database chose (fleet.gate_verdict): the summary
+# counts it by the state the task is left in
+VERDICT = "verdict"
+_COUNT_BY_STATE = {"done": "done", "review": "done", "queued": "failed", "dead": "failed", "blocked": "blocked"}
+
 
 @dataclass
 class Job:
@@ -478,7 +483,7 @@ class Shift:
             self.log.warning("final call failed; will retry", task=task_id, outcome=outcome, error=str(exc))
             self.pending[task_id] = (fn, outcome)
             return None
-        self.count(outcome)
+        self.count(_COUNT_BY_STATE.get(str(state), "failed") if outcome == VERDICT else outcome)
         return str(state)
 
     def _retry_pending(self) -> None:
@@ -662,27 +667,19 @@ class Shift:
         self._end_gate(job, outcome, evidence)
 
     def _end_gate(self, job: Job, outcome: str, evidence: str) -> None:
-        """Act on the gate's outcome: ok → done; task-failed → a failed attempt (escalating) with the
-        evidence; automation-broken | capability-unavailable → blocked until an operator acts."""
+        """Report the gate's outcome; fleet.gate_verdict decides what it does to the task (ok: done;
+        task-failed: a failed attempt that escalates; could not judge: blocked)."""
         task, tid, token = job.task, job.task.id, job.token
         log = self.log.bind(task=tid, key=task.key, attempt=task.attempts, gate=outcome)
         self._record(job, {"gate": outcome})
-        if outcome == "ok":
+        res: dict[str, Any] | None = None
+        if outcome == "ok":  # passed work is pushed before it counts as done, where others see it
             result = job.result
-            res: dict[str, Any] = ({"summary": result.summary, "agent_session": result.session_id,
-                                    "cost_usd": result.cost_usd}
-                                   if result is not None and result.found else {"summary": None})
-            res["gate"] = "ok"
-            self._git_push(job, commit_wip=False)  # the work, where other hosts and people see it
-            state = self._call(tid, lambda: self.store.complete(tid, token, res), "done")
-            log.info("done: the verify gate passed", state=state)
-        elif outcome == "task-failed":
-            error = f"verify gate failed: {evidence[-1800:]}"
-            state = self._call(tid, lambda: self.store.fail(tid, token, error, reason="verify-failed"), "failed")
-            log.info("attempt failed: the verify gate says the work is wrong", state=state)
-        else:
-            state = self._call(tid, lambda: self.store.block(tid, token, outcome, evidence[-4000:]), "blocked")
-            log.warning("blocked: the verify gate could not judge", state=state, evidence=evidence[-300:])
+            res = ({"summary": result.summary, "agent_session": result.session_id, "cost_usd": result.cost_usd}
+                   if result is not None and result.found else {"summary": None})
+            self._git_push(job, commit_wip=False)
+        state = self._call(tid, lambda: self.store.gate_verdict(tid, token, outcome, evidence, res), VERDICT)
+        log.info("the verify gate judged the work", state=state, evidence=evidence[-300:])
 
     # -- heartbeat
 

@@ -256,6 +256,13 @@ class PostgresStore(NamedReads):
         return str(self._one("select fleet.block(%s, %s, %s, %s)", (task, token, reason, evidence),
                              idempotent=False))
 
+    def gate_verdict(self, task: int, token: UUID, gate: str, evidence: str | None = None,
+                     result: Any = None) -> str:
+        """A verify gate's outcome on the task's work; the database decides what it does (done,
+        a failed attempt, blocked) and answers the task's state."""
+        return str(self._one("select fleet.gate_verdict(%s, %s, %s, %s, %s)",
+                             (task, token, gate, evidence, _json(result)), idempotent=False))
+
     def throttle(self, task: int, token: UUID, until: datetime | None = None, note: str | None = None,
                  after_seconds: float | None = None) -> datetime:
         value = self._one("select fleet.throttle(%s, %s, %s, %s, %s)", (task, token, until, note, after_seconds),

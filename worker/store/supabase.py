@@ -290,6 +290,11 @@ class SupabaseStore(NamedReads):
         return str(self._rpc("block", {"p_task": task, "p_token": str(token), "p_reason": reason,
                                        "p_evidence": evidence}, idempotent=False))
 
+    def gate_verdict(self, task: int, token: UUID, gate: str, evidence: str | None = None,
+                     result: Any = None) -> str:
+        return str(self._rpc("gate_verdict", {"p_task": task, "p_token": str(token), "p_gate": gate,
+                                              "p_evidence": evidence, "p_result": result}, idempotent=False))
+
     def throttle(self, task: int, token: UUID, until: datetime | None = None, note: str | None = None,
                  after_seconds: float | None = None) -> datetime:
         value = self._rpc("throttle", {"p_task": task, "p_token": str(token),
