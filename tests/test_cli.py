@@ -27,6 +27,7 @@ from psycopg.rows import dict_row
 
 from worker.config import load_config
 from worker.db.migrate import load_migrations
+from worker.models import TASK_STATES
 from worker.store.postgres import PostgresStore
 from worker.store.sync import lane_settings
 
@@ -214,6 +215,24 @@ def test_tasks_filters_and_json(db_url: str, config: Path, home: Path) -> None:
         assert text in table
     assert table.index("k[/x]") < table.index("d3") < table.index("d1")
     assert d1
+
+
+def test_tasks_filters_by_every_state(db_url: str, config: Path, home: Path) -> None:
+    with synced_store(db_url, config) as store:
+        ids = {state: store.enqueue("docs", f"s-{state}")[0] for state in TASK_STATES}
+    with psycopg.connect(db_url, autocommit=True) as c:  # one task in each state, as the CHECKs allow
+        for state, tid in ids.items():
+            c.execute("""update fleet.tasks set state = %(s)s,
+                                block_reason = case when %(s)s = 'blocked' then 'test' end,
+                                finished_at = case when %(s)s in ('done', 'dead', 'cancelled') then now() end,
+                                lease_token = case when %(s)s = 'running' then gen_random_uuid() end,
+                                lease_expires_at = case when %(s)s = 'running' then now() + interval '1 minute' end,
+                                session_id = case when %(s)s = 'running'
+                                                  then fleet.open_session('docs', 'h', 1, now(), 60) end
+                          where id = %(id)s""", {"s": state, "id": tid})
+    for state, tid in ids.items():
+        rows = json.loads(ok(fleet("tasks", "--state", state, "--json", url=db_url, config=config, cwd=home)))
+        assert [r["id"] for r in rows] == [tid], state
 
 
 def test_show_cancel_retry(db_url: str, config: Path, home: Path) -> None:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 # state is open: queued or running, blocked or in review (waiting for a person), batched.
 TASK_STATES = ("queued", "running", "blocked", "review", "batched", "done", "dead", "cancelled")
 FINISHED_STATES = ("done", "dead", "cancelled")
+WAITING_STATES = ("blocked", "review")  # open, but only a person moves them on
 
 
 class _Row(BaseModel):

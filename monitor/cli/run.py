@@ -13,17 +13,18 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich import box
 from rich.live import Live
 from rich.table import Table
 
-from monitor.dev.demo import demo_finished, queue_demo
+from monitor.dev.demo import demo_finished, demo_states, queue_demo
 from monitor.host import ShiftLauncher, crontab_lines, shift_env
 from monitor.reconcile import monitor_pass
 from worker.cli.context import JsonOpt, console, err_console, rt
 from worker.config import env_settings, flag_duration
 from worker.db.migrate import migrate as run_migrations
 from worker.errors import FleetError, InvalidInput
-from worker.models import RepairAction
+from worker.models import TASK_STATES, WAITING_STATES, RepairAction
 from worker.runtime import Runtime
 
 
@@ -144,11 +145,13 @@ def crontab(
 
 
 def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
-    table = Table("lane", "queued", "running", "done", "dead", "retries", "hand-offs", "tokens", "cost $",
-                  title=title)
+    """fleet.lane_summary() as a table narrow enough for 80 columns: the tasks of each lane by
+    state (every state that has any, in the order a task goes through them)."""
+    table = Table("lane", "tasks", "retries", "hand-offs", "tokens", "cost $", title=title,
+                  box=box.SIMPLE_HEAD, pad_edge=False)
     for row in rows:
-        table.add_row(row["lane"], str(row["queued"]), str(row["running"]), str(row["done"]),
-                      str(row["dead"]), str(row["retries"]), str(row["handoffs"]), f"{row['tokens']:,}",
+        states = ", ".join(f"{row[s]} {s}" for s in TASK_STATES if row[s]) or "none"
+        table.add_row(row["lane"], states, str(row["retries"]), str(row["handoffs"]), f"{row['tokens']:,}",
                       f"{row['cost_usd']:.4f}")
     return table
 
@@ -199,7 +202,7 @@ def up(
             live.update(summary_table(store.query("lane_summary"),
                                       f"lanefleet — {time.monotonic() - started:.0f}s"))
             if prefix is not None:
-                if demo_finished(store, prefix):
+                if demo_finished(demo_states(store, prefix)):
                     finished = True
                     break
                 if time.monotonic() - started > timeout:
@@ -210,6 +213,10 @@ def up(
     console.print(summary_table(rows, "summary"))
     if demo and not finished:
         raise InvalidInput(f"the demo did not finish within {timeout:.0f}s; see {r.cfg.path(r.cfg.fleet.home) / 'logs'}")
-    if demo:
-        console.print(f"demo finished in {time.monotonic() - started:.0f}s: every task is done or dead. "
+    if prefix is not None:
+        states = demo_states(store, prefix)
+        waiting = ", ".join(f"{n} {s}" for s, n in states.items() if s in WAITING_STATES)
+        ending = f"every task is done or dead except {waiting} (waiting for a person: `fleet tasks --state blocked`)" \
+            if waiting else "every task is done or dead"
+        console.print(f"demo finished in {time.monotonic() - started:.0f}s: {ending}. "
                       f"Try `fleet tasks` and `fleet show {prefix}7`.", highlight=False)

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Container
 from typing import Any
 
+from worker.models import FINISHED_STATES, WAITING_STATES
 from worker.store.postgres import PostgresStore
 
 DEMO_TASKS: list[tuple[str, str, dict[str, Any]]] = [
@@ -32,6 +33,12 @@ def queue_demo(store: PostgresStore, lanes: Container[str]) -> str:
     return prefix
 
 
-def demo_finished(store: PostgresStore, prefix: str) -> bool:
-    """Whether every demo task of ``prefix`` is finished (none is queued or running)."""
-    return bool(store.query("open_tasks_with_prefix", prefix=prefix)[0]["n"] == 0)
+def demo_states(store: PostgresStore, prefix: str) -> dict[str, int]:
+    """How many demo tasks of ``prefix`` are in each state."""
+    return {str(r["state"]): int(r["n"]) for r in store.query("states_with_prefix", prefix=prefix)}
+
+
+def demo_finished(states: dict[str, int]) -> bool:
+    """Whether the fleet has nothing left to do for the demo: every task is finished or waits for a
+    person (blocked, in review)."""
+    return all(s in FINISHED_STATES or s in WAITING_STATES for s in states)

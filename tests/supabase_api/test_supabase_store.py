@@ -174,7 +174,7 @@ def test_named_queries_over_rest(rest: SupabaseStore, operator: SupabaseStore, l
     assert isinstance(row["pid_started_at"], datetime)
     assert abs((row["pid_started_at"] - started).total_seconds()) < 0.001
     assert rest.query("active_sessions_on_host", host="elsewhere") == []
-    assert operator.query("open_tasks_with_prefix", prefix="demo:ab:") == [{"n": 2}]
+    assert operator.query("states_with_prefix", prefix="demo:ab:") == [{"state": "queued", "n": 2}]
     assert sorted((r["lane"], r["ready"]) for r in operator.query("ready_by_lane")) == [("docs", 1), ("review", 1)]
     summary = {r["lane"]: r for r in operator.query("lane_summary")}
     assert summary["docs"]["queued"] == 2 and summary["review"]["queued"] == 1 and summary["closed"]["queued"] == 0

@@ -42,27 +42,14 @@ select lane, state, count(*) as n from fleet.tasks group by lane, state order by
 select id, lane, pid, pid_started_at from fleet.sessions where state = 'active' and host = %(host)s;
 
 -- name: lane_summary
--- Per lane: tasks by state, retries, hand-offs, and the tokens and cost of every run.
-select l.name as lane,
-       count(t.id) filter (where t.state = 'queued') as queued,
-       count(t.id) filter (where t.state = 'running') as running,
-       count(t.id) filter (where t.state = 'done') as done,
-       count(t.id) filter (where t.state = 'dead') as dead,
-       count(t.id) filter (where t.state = 'cancelled') as cancelled,
-       coalesce(sum(t.failures + t.evaporations), 0) as retries,
-       coalesce(sum(t.handoffs), 0) as handoffs,
-       coalesce((select sum(r.input_tokens + r.cache_creation_tokens + r.cache_read_tokens + r.output_tokens)
-                   from fleet.runs r where r.lane = l.name), 0) as tokens,
-       coalesce((select sum(r.cost_usd) from fleet.runs r where r.lane = l.name), 0) as cost_usd
-  from fleet.lanes l
-  left join fleet.tasks t on t.lane = l.name
- group by l.name
- order by l.name;
+-- Per lane: tasks in every state, retries, hand-offs, and the tokens and cost of every run
+-- (defined once, as fleet.lane_summary(), which the REST store calls too).
+select * from fleet.lane_summary();
 
 -- name: ready_by_lane
--- Ready tasks per lane (what a launcher needs to decide whether a shift has work).
-select lane, count(*) as ready from fleet.tasks where state = 'queued' and run_at <= now() group by lane;
+-- Ready tasks per lane (what a launcher needs to decide whether a shift has work; fleet.ready_by_lane()).
+select * from fleet.ready_by_lane();
 
--- name: open_tasks_with_prefix
--- Tasks whose key starts with a prefix and that are not finished.
-select count(*) as n from fleet.tasks where key like %(prefix)s || '%%' and state in ('queued', 'running');
+-- name: states_with_prefix
+-- Tasks whose key starts with a prefix, counted by state (every state that has one).
+select state, count(*) as n from fleet.tasks where key like %(prefix)s || '%%' group by state;

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -26,7 +27,6 @@ from uuid import UUID
 
 import httpx
 from postgrest.exceptions import APIError
-from postgrest.types import CountMethod
 from tenacity import (
     Retrying,
     retry_if_exception_type,
@@ -422,10 +422,7 @@ class SupabaseStore(NamedReads):
                               .eq("state", "active").eq("host", params["host"]))
         if name in ("ready_by_lane", "lane_summary"):
             return [_times(dict(r)) for r in self._rpc(name, {}) or []]
-        if name == "open_tasks_with_prefix":
-            prefix = str(params["prefix"])
-            res = self._call(name, lambda: self.client.table("tasks").select("id", count=CountMethod.exact, head=True)
-                             .like("key", prefix + "*").in_("state", ["queued", "running"]).execute(),
-                             idempotent=True)
-            return [{"n": res.count or 0}]
+        if name == "states_with_prefix":
+            found = self._rows(name, lambda c: c.table("tasks").select("state").like("key", str(params["prefix"]) + "*"))
+            return [{"state": st, "n": n} for st, n in sorted(Counter(r["state"] for r in found).items())]
         raise FleetError(f"the named query {name!r} has no REST equivalent in the supabase store")

@@ -11,16 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from worker.errors import FleetError, InvalidInput
+from worker.models import TASK_STATES
 from worker.store.protocol import Store
-
-#: what ``fleet tasks --state`` accepts
-TASK_STATES = frozenset({"queued", "running", "done", "dead", "cancelled"})
 
 
 def check_state(state: str | None) -> None:
     """``--state``: a task state, or None for every state."""
     if state is not None and state not in TASK_STATES:
-        raise InvalidInput(f"--state {state!r} is not a task state ({', '.join(sorted(TASK_STATES))})")
+        raise InvalidInput(f"--state {state!r} is not a task state ({', '.join(TASK_STATES)})")
 
 
 _RELATIVE = re.compile(r"^\+(\d+(?:\.\d+)?)(s|m|h|d)?$")
