@@ -4,7 +4,7 @@ with psycopg as prepared statements, without the store's pool and pydantic model
 
 A worker: one connection, ``fleet.open_session``, then ``fleet.claim(session, batch)`` until it
 comes back empty; each claimed task is completed with ``fleet.complete`` (durable: one call and one
-commit per completion) or, in batch mode, the whole claim with one ``fleet.complete_many``.
+commit per completion) or, in bulk mode, the whole claim with one ``fleet.complete_many``.
 """
 
 from __future__ import annotations

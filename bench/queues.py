@@ -107,7 +107,7 @@ def plan(quick: bool, bulk: bool) -> list[Scenario]:
     for c in (1, 4, 16):
         if quick and c == 4:
             continue
-        s.append(Scenario(f"lf.bulk.c{c}", f"lanefleet batch mode (claim 100, complete_many), concurrency {c}",
+        s.append(Scenario(f"lf.bulk.c{c}", f"lanefleet bulk mode (claim 100, complete_many), concurrency {c}",
                           "lanefleet", "drain", {"concurrency": c, "batch": 100, "mode": "bulk", "needs_bulk": True}))
     for system, label in (("lanefleet", "lanefleet fleet.enqueue"), ("pgqueuer", "PgQueuer Queries.enqueue(one job)"),
                           ("procrastinate", "Procrastinate defer_async")):
@@ -341,13 +341,13 @@ def report(run: dict[str, Any]) -> tuple[str, bool]:
     goals: list[tuple[str, str, str, float]] = [
         ("durable c16 b10 ≥ 1.2× PgQueuer default", "lf.c16.b10", "pgq.default", 1.2),
         ("durable c16 b10 ≥ 60 % of the pgbench ceiling", "lf.c16.b10", "pgbench", 0.6),
-        # the goal names no concurrency for batch mode: c4 is the fastest on 2 cores, c16 the durable goal's
-        ("batch mode c4 ≥ 1.2× PgQueuer batch 100", "lf.bulk.c4", "pgq.batch100", 1.2),
-        ("batch mode c16 ≥ 1.2× PgQueuer batch 100", "lf.bulk.c16", "pgq.batch100", 1.2),
+        # the goal names no concurrency for bulk mode: c4 is the fastest on 2 cores, c16 the durable goal's
+        ("bulk mode c4 ≥ 1.2× PgQueuer batch 100", "lf.bulk.c4", "pgq.batch100", 1.2),
+        ("bulk mode c16 ≥ 1.2× PgQueuer batch 100", "lf.bulk.c16", "pgq.batch100", 1.2),
     ]
     for c in (1, 4, 16):
         goals += [(f"≥ 10× Procrastinate c{c}: durable c{c} b10", f"lf.c{c}.b10", f"proc.c{c}", 10.0),
-                  (f"≥ 10× Procrastinate c{c}: batch mode c{c}", f"lf.bulk.c{c}", f"proc.c{c}", 10.0)]
+                  (f"≥ 10× Procrastinate c{c}: bulk mode c{c}", f"lf.bulk.c{c}", f"proc.c{c}", 10.0)]
     goals.append(("bulk enqueue ≥ PgQueuer bulk enqueue", "enqueue.bulk.lanefleet", "enqueue.bulk.pgqueuer", 1.0))
     lines += ["", "ratio: lanefleet / reference within each repetition (the two ran one after the other), the"
               " median of those; in brackets the lowest and highest.", "",
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         header.append(f"lanefleet: {row[0] if row else '?'} migrations, the last {row[1] if row else '?'}")
         scenarios = plan(args.quick, all(b.lf_bulk))
         if not all(b.lf_bulk):
-            log("lanefleet has no fleet.enqueue_many / fleet.complete_many: batch mode and bulk enqueue are n/a")
+            log("lanefleet has no fleet.enqueue_many / fleet.complete_many: bulk mode and bulk enqueue are n/a")
         if args.only:
             scenarios = [s for s in scenarios if any(s.key.startswith(o) for o in args.only)]
         for rep in range(args.reps):

@@ -4,7 +4,7 @@ entries behind it (#7: what bounds the durable mode).
     uv run python -m bench.wal [--jobs 2000] [--url postgresql://...]
 
 One client drains --jobs no-op tasks twice in a scratch database: in the durable mode (claims of
-10, one fleet.complete per task, one commit each) and in batch mode (claims of 100, one
+10, one fleet.complete per task, one commit each) and in bulk mode (claims of 100, one
 fleet.complete_many per claim). Between the first and the last call it reads the server's WAL
 with pg_walinspect (PostgreSQL 15+, in contrib; the scratch database gets the extension) and
 prints bytes and records per job by resource manager / record type, full-page images apart, and
@@ -82,7 +82,7 @@ def main() -> int:
             conn.execute("create extension if not exists pg_walinspect")
             conn.execute("select fleet.sync_lane(%s, '{}'::jsonb)", (LANE,))
         for title, batch, many in (("durable: claim 10, one complete per task", 10, False),
-                                   ("batch mode: claim 100, one complete_many per claim", 100, True)):
+                                   ("bulk mode: claim 100, one complete_many per claim", 100, True)):
             log(f"## {title}")
             log("")
             for line in measure(url, args.jobs, batch, many):

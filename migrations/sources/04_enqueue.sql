@@ -373,7 +373,7 @@ begin
     )
     select coalesce(array_agg(ins.id), '{}'), coalesce(array_agg(ins.key), '{}') into v_new_ids, v_new_keys from ins;
 
-    -- 4. the keys that existed: in a statement of its own, whose snapshot sees a batch that
+    -- 4. the keys that existed: in a statement of its own, whose snapshot sees another call that
     --    committed the same key while the insert waited for it (as enqueue_task does). A key whose
     --    task is in a lane this caller may not work is refused as enqueue_task refuses it.
     select e.idx, e.key, t.lane into v_bad

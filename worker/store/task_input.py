@@ -157,7 +157,7 @@ def enqueue_lines(store: Store, name: str, lane: str | None, lines: list[tuple[i
     try:
         return store.enqueue_many(lane, [task for _, task in lines]) if lines else []
     except FleetError as exc:
-        # the database names the task by its index in the batch: name the line instead
+        # the database names the task by its index in the array: name the line instead
         m = _TASK_INDEX.match(exc.message)
         if m is None or int(m.group(1)) >= len(lines):
             raise
