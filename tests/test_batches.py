@@ -1,4 +1,4 @@
-"""Batches through real shifts (issue #10, items 2-5), against a real temporary git repository with a
+"""Batches through real shifts, against a real temporary git repository with a
 bare origin, the scripted agent making real commits: members run one after another, each landed on
 the integration branch batch/<id> fast-forward only, or evicted; an inconclusive gate or a failed
 landing blocks the batch until `fleet resume --batch`; the tail ships once.

@@ -1,4 +1,4 @@
-"""The bulk calls of issue #7 through the stores: ``enqueue_many`` and ``complete_many`` on both
+"""The bulk calls through the stores: ``enqueue_many`` and ``complete_many`` on both
 back-ends (supabase: a real PostgREST, a worker key for lane docs), who may call them over REST,
 prepared statements and poolers, and `fleet enqueue --from`. (fleet.enqueue_many and
 fleet.complete_many themselves: tests/sql/test_enqueue.py, tests/sql/test_finish.py; their lane

@@ -1,4 +1,4 @@
-"""The ``fleet`` CLI (issue #2), run for real as a subprocess against a real database.
+"""The ``fleet`` CLI, run for real as a subprocess against a real database.
 
 Each call is a fresh ``python -m monitor.cli`` with FLEET_CONFIG pointing at a fleet.toml in a tmp
 folder and DATABASE_URL at a test database. Bad inputs are many and each costs a process start,

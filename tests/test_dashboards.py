@@ -1,4 +1,4 @@
-"""The dashboard commands (issue #6): `fleet status`, `fleet stats`, `fleet snapshot`, `fleet report`.
+"""The dashboard commands: `fleet status`, `fleet stats`, `fleet snapshot`, `fleet report`.
 
 Each runs for real as a subprocess against a test database holding a known history built with the
 SQL API; the JSON outputs are checked figure by figure. The HTML report is opened in a real

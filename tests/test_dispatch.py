@@ -1,4 +1,4 @@
-"""Dispatch for coding agents (issue #8): tiers and escalation, profiles, verify gates, capacity
+"""Dispatch for coding agents: tiers and escalation, profiles, verify gates, capacity
 pools and usage limits — through real shifts running the scripted agent against a real database
 (both back-ends), plus the parsing the shift relies on."""
 

@@ -1,4 +1,4 @@
-"""Git workspaces through real shifts (issue #10, item 1): a lane with a `repo` runs each task in a
+"""Git workspaces through real shifts: a lane with a `repo` runs each task in a
 worktree of the host's mirror on branch fleet/<lane>/<key>, cut from `base` at its first claim;
 the scripted agent makes real commits; later attempts on the host reuse the worktree; hand-offs
 and completions push the branch; the reaper prunes the worktree of a reaped workspace."""

@@ -1,4 +1,4 @@
-"""Git workspaces and the landing of batch members (issue #10, worker/workspace/git.py), against real
+"""Git workspaces and the landing of batch members (worker/workspace/git.py), against real
 git: each test has its own bare ``origin`` with two commits on ``main``, a host's mirror in a
 cache directory, and a second cache directory where another host is needed."""
 

@@ -1,4 +1,4 @@
-"""Fenced side effects (issue #9 item 5): ``fleet guard -- CMD`` runs CMD only while the task's
+"""Fenced side effects: ``fleet guard -- CMD`` runs CMD only while the task's
 lease holds, asked of the database at that moment through the shift; else exit 77 and CMD never runs.
 
 The end-to-end tests run a real shift (both back-ends) whose agent, a small script written into the

@@ -1,4 +1,4 @@
-"""Guard rails (issue #9): stalls and needs-attention, task and lane budgets, review debt — through
+"""Guard rails: stalls and needs-attention, task and lane budgets, review debt — through
 real shifts running the scripted agent against a real database, on both back-ends."""
 
 from __future__ import annotations

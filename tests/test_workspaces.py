@@ -1,4 +1,4 @@
-"""Task workspaces (issue #9, item 4): the ``fleet.workspaces`` record a shift keeps per task and
+"""Task workspaces: the ``fleet.workspaces`` record a shift keeps per task and
 host, reuse on the same host, the monitor's reaper (finished tasks past the lane's retention, never
 a live one, never outside the workspaces root) and ``fleet workspaces`` — through real shifts
 running the scripted agent, on both back-ends (conftest ``backend``). (The fence of

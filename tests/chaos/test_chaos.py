@@ -1,4 +1,4 @@
-"""The chaos test (issue #4): a lane under fire must still end with every task done or dead.
+"""The chaos test: a lane under fire must still end with every task done or dead.
 
 300 tasks on lane ``chaos`` (scripted agents: most succeed after one short step, some fail once,
 some crash once, a few always fail and must end dead with their cap spent). Three concurrent

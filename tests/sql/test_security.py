@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 API = {"enqueue_task", "enqueue", "enqueue_after", "open_session", "claim", "heartbeat", "checkpoint", "complete",
        "fail", "hand_off", "route", "record_run", "close_session", "cancel", "retry", "sync_lane", "reconcile",
        "declare_session_lost", "schema_versions",
-       # dispatch and guard rails (#8, #9) and the bulk calls (#7)
+       # dispatch and guard rails and the bulk calls
        "block", "throttle", "resume", "sync_pool", "sync_profile", "task_spend", "set_task_budget",
        "review_approve", "review_reject", "stalled_tasks", "lease_held", "enqueue_many", "complete_many",
        "touch_workspace", "workspaces_to_reap", "workspace_reaped"}

@@ -1,4 +1,4 @@
-"""Issue #5 item 5: every refusal, through the real stack (supabase-py → nginx → PostgREST 12 →
+"""Every refusal of a fleet key, through the real stack (supabase-py → nginx → PostgREST 12 →
 PostgreSQL), each checking through a direct connection that nothing changed.
 
 The world: lanes ``docs`` and ``bugfix``, a running shift (session + claimed task) in each, a

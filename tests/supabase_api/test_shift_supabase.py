@@ -1,4 +1,4 @@
-"""The shift (#3) and the monitor (#4) on the supabase back-end: what only a fleet key can show.
+"""The shift and the monitor on the supabase back-end: what only a fleet key can show.
 
 tests/test_shift.py and tests/test_monitor.py run every scenario on both back-ends (the ``backend``
 fixture of tests/conftest.py, the fleet of tests/fleetkit.py: shifts with a worker key scoped to the

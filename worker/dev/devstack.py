@@ -14,7 +14,7 @@ SUPABASE_JWT_SECRET, SUPABASE_DB_URL), both mode 0600. Processes are stopped by 
 and only if that pid still runs the program that was started.
 
 Unlike hosted Supabase, only ``/rest/v1`` exists (no auth, storage or realtime), and only the
-legacy HS256 keys. See shared/recipes/supabase-local/ for the recipe this follows.
+legacy HS256 keys.
 """
 
 from __future__ import annotations

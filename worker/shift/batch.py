@@ -1,4 +1,4 @@
-"""Batches (issue #10, items 2-5): the state machine a shift drives for a claimed carrier task.
+"""Batches: the state machine a shift drives for a claimed carrier task.
 
 A batch (``fleet batch create LANE KEY...``) is carried by a task of kind ``batch``: claiming it
 takes one slot, and the carrier's lease, heartbeat, hand-off, monitor repair and attempt cap are

@@ -1,4 +1,4 @@
-"""Dispatch for coding agents (issue #8): which command and model a task's attempt runs with, what a
+"""Dispatch for coding agents: which command and model a task's attempt runs with, what a
 usage-limit message means, and what a verify gate said.
 
 - **Resolution.** A claim tells the shift the task's tier and the profile it drew (``run_profile``,

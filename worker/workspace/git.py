@@ -1,4 +1,4 @@
-"""Git workspaces (issue #10): a per-host mirror of a lane's repository, a worktree per task on its
+"""Git workspaces: a per-host mirror of a lane's repository, a worktree per task on its
 own branch, and the fast-forward-only landing of batch members on an integration branch.
 
 Layout. ``<cache_dir>/<name>-<hash>.git`` is a *bare* repository whose one remote, ``origin``, is
