@@ -194,6 +194,8 @@ grant execute on function fleet.batch_setup(bigint,uuid,text,text) to fleet_work
 
 -- Member p_n is the current one, on p_branch in p_worktree, cut at p_cut_sha. A takeover calls
 -- it again for the same member: the first cut point stays, the event is written once per member.
+-- Returns 'running', or 'blocked' when the member's agent is to run and its task's earlier runs
+-- spent its budget (the member leaves the batch blocked, as fleet.batch_member_blocked).
 create or replace function fleet.batch_member_start(p_carrier bigint, p_token uuid, p_n int, p_branch text,
                                                     p_worktree text, p_cut_sha text)
 returns text
@@ -204,6 +206,7 @@ as $$
 declare
     b fleet.batches;
     m fleet.batch_members;
+    v_over text;
 begin
     b := fleet._batch_fenced(p_carrier, p_token);
     m := fleet._batch_member(b.id, p_n);
@@ -222,6 +225,14 @@ begin
     if m.state = 'pending' then
         perform fleet._event('batch_member_advanced', b.lane, p_carrier, null,
             jsonb_build_object('batch', b.id, 'n', p_n, 'task', m.task_id, 'branch', p_branch, 'cut', p_cut_sha));
+    end if;
+    if m.gate is null then  -- its agent runs next (a member at its gate spends nothing more)
+        v_over := fleet._over_budget((select t from fleet.tasks t where t.id = m.task_id),
+                                     (select l from fleet.lanes l where l.name = b.lane));
+        if v_over is not null then
+            perform fleet.batch_member_blocked(p_carrier, p_token, p_n, 'budget', v_over);
+            return 'blocked';
+        end if;
     end if;
     return 'running';
 end

@@ -146,3 +146,25 @@ def test_the_batchs_own_gate_blocks_it_unless_ok(conn: psycopg.Connection, gate:
     assert got == answer
     row = rows(conn, "select state, block_reason from fleet.batches where id = %s", (batch,))[0]
     assert row["block_reason"] == reason and (row["state"] == "blocked") == (answer == "blocked")
+
+
+def test_a_member_whose_task_spent_its_budget_leaves_the_batch_at_its_start(conn: psycopg.Connection) -> None:
+    sync_lane(conn, "code")
+    s = open_session(conn, "code")
+    task_id = one(conn, "select task_id from fleet.enqueue_task('code', 'spent', p_max_tokens => 100)")
+    enqueue(conn, "code", "fresh")
+    # an earlier, unbatched run of the task spent 500 tokens and failed
+    token = take_lease(conn, s, task_id)
+    call(conn, "record_run", token, {"exit_code": 1, "input_tokens": 500})
+    one(conn, "select fleet.fail(%s, %s, 'x', true, null)", (task_id, token))
+    conn.execute("update fleet.tasks set run_at = now() where id = %s", (task_id,))
+    batch = call(conn, "batch_create", "code", ["spent", "fresh"], 4, None)
+    carrier = one(conn, "select task_id from fleet.batches where id = %s", (batch,))
+    ctok = take_lease(conn, s, carrier)
+    call(conn, "batch_setup", carrier, ctok, "main", f"batch/{batch}")
+    assert call(conn, "batch_member_start", carrier, ctok, 1, "b1", "/w1", "c0") == "blocked"
+    t = rows(conn, "select state, block_reason, last_error, batch_id from fleet.tasks where id = %s", (task_id,))[0]
+    assert (t["state"], t["block_reason"], t["batch_id"]) == ("blocked", "budget", None)
+    assert t["last_error"] == "blocked in batch 1 (budget): spent 500 tokens of the task's 100 budget ($0.0000)"
+    # the batch goes on with its next member
+    assert call(conn, "batch_member_start", carrier, ctok, 2, "b2", "/w2", "c0") == "running"

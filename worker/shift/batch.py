@@ -259,8 +259,13 @@ class BatchRunner:
             reason = "branch-diverged" if isinstance(exc, BranchDiverged) else "automation-broken"
             self._block(reason, f"could not prepare member {m['n']}'s worktree: {exc}", m["n"])
             return
-        self._call("batch_member_start", p_n=m["n"], p_branch=branch, p_worktree=os.path.abspath(ws.root),
-                   p_cut_sha=m.get("cut_sha") or head)
+        step = self._call("batch_member_start", p_n=m["n"], p_branch=branch, p_worktree=os.path.abspath(ws.root),
+                          p_cut_sha=m.get("cut_sha") or head)
+        if step == "blocked":  # its task's earlier runs spent its budget: never run into more spend
+            self.log.warning("batch member blocked: its task's budget is spent", n=m["n"], key=m["key"])
+            self._tear_down(m)
+            self.state = "next"
+            return
         m["branch"], m["worktree"] = branch, os.path.abspath(ws.root)
         m["cut_sha"] = m.get("cut_sha") or head
         member_task = self.shift.store.get_task(int(m["task_id"]))
@@ -274,11 +279,7 @@ class BatchRunner:
             self.log.info("batch: member continues at its verify gate", n=m["n"], gate=m.get("gate"))
             self._start_gate(ws, env)
             return
-        self.budget, self.spent_before = self.shift.task_budget(member_task, self.log)
-        over = over_budget(self.budget, *self.spent_before) if self.budget != (None, None) else None
-        if over is not None:  # never run into more spend
-            self._leave_blocked("budget", over)
-            return
+        self.budget, self.spent_before = self.shift.task_budget(member_task, self.log)  # for the run's own spend
         self.usage, self.over_budget, self.marks = StreamUsage(), None, (0, None, None)
         d = self._dispatch(member_task)
         values = {"prompt_file": str(ws.prompt_file), "workspace": str(ws.root), "model": d.model or "",
