@@ -306,15 +306,9 @@ class Shift:
         log_path = self.workspaces / self.lane_name / "logs" / f"{task.id}-{safe_name(task.key)}-a{task.attempts}-{stamp}.log"
         d = resolve(self.cfg, self.lane_name, task.run_profile, task.tier, task.pool)
         gate_only = task.verify_pending and bool(self.lane.verify)
+        # (a task whose earlier runs spent its budget was blocked by the claim: this run's own
+        # spend is watched while it streams)
         budget, spent_before = self.task_budget(task, log)
-        if budget != (None, None):
-            over = over_budget(budget, *spent_before)
-            if over is not None:  # never retried into more spend
-                lease = task.lease_token
-                assert lease is not None
-                state = self._call(task.id, lambda: self.store.block(task.id, lease, "budget", over), "blocked")
-                log.warning("blocked before starting: the task's budget is spent", spent=over, state=state)
-                return
         if self.lane.repo:
             try:
                 head = self._git_worktree(task, ws)
