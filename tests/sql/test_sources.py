@@ -63,6 +63,15 @@ def edit(path: Path, old: str, new: str) -> None:
     path.write_text(text.replace(old, new, 1))
 
 
+def drop_schema_versions_source(tree: Path) -> None:
+    """Take fleet.schema_versions() out of the meta group (as a change that drops it would)."""
+    path = source(tree, "meta")
+    text = path.read_text()
+    start = text.index("create or replace function fleet.schema_versions()")
+    end = text.index("create or replace function fleet.schema_migration_names()")
+    path.write_text(text[:start] + text[end:])
+
+
 def source(tree: Path, group: str) -> Path:
     (path,) = (sqlsources.sources_dir(tree)).glob(f"*_{group}.sql")
     return path
@@ -148,11 +157,7 @@ def test_a_source_that_leaves_out_security_definer_is_caught(db_url: str, tree: 
 
 
 def test_a_function_without_a_source_is_caught(db_url: str, tree: Path) -> None:
-    path = source(tree, "meta")
-    text = path.read_text()
-    start = text.index("create or replace function fleet.schema_versions()")
-    end = text.index("create or replace function fleet.schema_migration_names()")
-    path.write_text(text[:start] + text[end:])
+    drop_schema_versions_source(tree)
     assert sqlsources.unsourced(db_url, tree) == ["function fleet.schema_versions()"]
     assert "function fleet.schema_versions(): no source defines it" in sqlsources.check(tree, _server(db_url))
 
@@ -216,11 +221,7 @@ def test_a_changed_group_becomes_a_migration_that_brings_the_sources_in_step(
 
 def test_the_hand_written_part_comes_first(pg_server: str, tree: Path, empty_db_url: str) -> None:
     # a table change and a dropped function, and a source that uses the new column
-    meta = source(tree, "meta")
-    text = meta.read_text()
-    start = text.index("create or replace function fleet.schema_versions()")
-    end = text.index("create or replace function fleet.schema_migration_names()")
-    meta.write_text(text[:start] + text[end:])
+    drop_schema_versions_source(tree)
     edit(source(tree, "operator"), "create or replace function fleet.task_spend(",
          "create or replace function fleet.task_note(p_task bigint) returns text language sql stable\n"
          "as $$ select note from fleet.tasks where id = p_task $$;\n"
@@ -239,11 +240,7 @@ def test_the_hand_written_part_comes_first(pg_server: str, tree: Path, empty_db_
 
 def test_a_migration_that_leaves_the_sources_out_of_step_is_not_written(pg_server: str, tree: Path) -> None:
     # a dropped source without the drop: the function stays, with no source
-    meta = source(tree, "meta")
-    text = meta.read_text()
-    start = text.index("create or replace function fleet.schema_versions()")
-    end = text.index("create or replace function fleet.schema_migration_names()")
-    meta.write_text(text[:start] + text[end:])
+    drop_schema_versions_source(tree)
     edit(source(tree, "operator"), "create or replace function fleet.task_spend(",
          "create or replace function fleet.x() returns int language sql as $$ select 1 $$;\n\n"
          "create or replace function fleet.task_spend(")
