@@ -371,7 +371,7 @@ def test_reset_time_reads_what_limit_messages_say(text: str, until: datetime | N
 
 def test_usage_limit_detection_patterns_codes_and_backoff() -> None:
     prof = ProfileConfig(command=["x"], limit_exit_codes=[42], throttle_backoff="5m")
-    hit = usage_limit(prof, 1, "Claude AI usage limit reached|1796054400", "")
+    hit = usage_limit(prof, 1, "Claude AI usage limit reached|1796054400", "", now=NOW)
     assert hit is not None and hit.until == datetime.fromtimestamp(1796054400, UTC)
     coded = usage_limit(prof, 42, None, "nothing useful")
     assert coded is not None and coded.after_seconds == 300.0 and coded.until is None

@@ -92,6 +92,9 @@ class FleetSection(_Strict):
 DEFAULT_LIMIT_PATTERNS = [
     r"usage limit", r"rate[ _-]?limit", r"hit your limit", r"\b429\b.{0,40}(too many|rate)",
     r"(too many|rate).{0,40}\b429\b", r"quota exceeded",
+    # Claude Code's wordings since 2.x: "5-hour limit reached ∙ resets 12pm", "You've hit your
+    # weekly limit · resets Sep 15 at 7pm"
+    r"\blimit reached\b", r"hit your (?:\w+ )?limit",
 ]
 ESCALATING = ["unverified-exit", "verify-failed", "stalled"]
 
@@ -130,11 +133,12 @@ class ProfileConfig(_Strict):
     limit_exit_codes: list[int] = Field(default_factory=list)
     limit_patterns: list[str] = Field(default_factory=lambda: list(DEFAULT_LIMIT_PATTERNS))
     throttle_backoff: float = 900.0  # the pool's pause when the message names no reset time
+    throttle_floor: float = 60.0  # never a shorter pause, whatever the message said (no hot loop)
 
     _split_command = field_validator("command", mode="before")(classmethod(lambda cls, v: _argv(v)))
     _placeholders = field_validator("command")(classmethod(lambda cls, v: _check_placeholders(v)))
 
-    @field_validator("throttle_backoff", mode="before")
+    @field_validator("throttle_backoff", "throttle_floor", mode="before")
     @classmethod
     def _duration(cls, v: Any) -> float:
         return parse_duration(v)

@@ -14,6 +14,7 @@ usage-limit message means, and what a verify gate said.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -94,17 +95,34 @@ class UsageLimit:
     after_seconds: float | None = None  # or a delay
 
 
+# the longest window any provider meters (a week) and a day's slack: a reset further ahead is misread
+LONGEST_RESET = timedelta(days=8)
+
+
 def usage_limit(profile: ProfileConfig | None, code: int, final_text: str | None,
-                output_tail: str) -> UsageLimit | None:
+                output_tail: str, *, succeeded: bool = False, now: datetime | None = None) -> UsageLimit | None:
     """A usage or rate limit reported by a run, or None.
 
     ``profile``: the run's profile (None: the default patterns, no exit codes, a 15-minute pause).
-    A limit is an exit code the profile lists, or one of its patterns in the run's final message or
-    the last lines of its output."""
+    ``succeeded``: the run exited 0 with a success record; such a run is never a limit, whatever
+    its text says (an agent's summary may well mention rate limiting). Otherwise a structured
+    signal decides first: Claude Code's ``rate_limit_event`` with status ``rejected`` (and its
+    ``resetsAt``); then an exit code the profile lists, or one of its patterns in the run's final
+    message or the last lines of its output — never in a ``rate_limit_event`` record, which Claude
+    Code also writes into ordinary sessions. A reset in the past, or further ahead than
+    LONGEST_RESET, is not believed: the profile's ``throttle_backoff`` applies."""
+    if succeeded:
+        return None
+    now = now or datetime.now(UTC)
     patterns = profile.limit_patterns if profile is not None else DEFAULT_LIMIT_PATTERNS
     codes = profile.limit_exit_codes if profile is not None else []
     backoff = profile.throttle_backoff if profile is not None else ProfileConfig.model_fields["throttle_backoff"].default
-    texts = [t for t in (final_text, output_tail[-2000:]) if t]
+    floor = profile.throttle_floor if profile is not None else ProfileConfig.model_fields["throttle_floor"].default
+    structured = _rejected_rate_limit(output_tail)
+    if structured is not None:
+        note, until = structured
+        return UsageLimit(note, *_believed(until, None, backoff, floor, now))
+    texts = [t for t in (final_text, _without_rate_limit_events(output_tail[-4000:])[-2000:]) if t]
     hit: str | None = None
     for text in texts:
         for pattern in patterns:
@@ -120,10 +138,55 @@ def usage_limit(profile: ProfileConfig | None, code: int, final_text: str | None
         hit = f"exit code {code} (a usage limit for this profile)"
     if hit is None:
         return None
-    until, after = reset_time(" ".join(texts) if hit.startswith("exit code") else hit + "\n" + " ".join(texts))
+    until, after = reset_time(" ".join(texts) if hit.startswith("exit code") else hit + "\n" + " ".join(texts), now)
+    return UsageLimit(hit, *_believed(until, after, backoff, floor, now))
+
+
+def _believed(until: datetime | None, after: float | None, backoff: float, floor: float,
+              now: datetime) -> tuple[datetime | None, float | None]:
+    """The reset as read, unless it is in the past or past LONGEST_RESET (then the backoff); never
+    sooner than ``floor`` seconds from now."""
+    if until is not None and not (now < until <= now + LONGEST_RESET):
+        until = None
+    if after is not None and not (0 < after <= LONGEST_RESET.total_seconds()):
+        after = None
     if until is None and after is None:
         after = backoff
-    return UsageLimit(hit, until, after)
+    if until is not None and until < now + timedelta(seconds=floor):
+        until = now + timedelta(seconds=floor)
+    if after is not None:
+        after = max(after, floor)
+    return until, after
+
+
+def _records(tail_text: str) -> list[tuple[str, dict[str, Any] | None]]:
+    out: list[tuple[str, dict[str, Any] | None]] = []
+    for line in tail_text.splitlines():
+        rec: Any = None
+        if line.lstrip().startswith("{"):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = None
+        out.append((line, rec if isinstance(rec, dict) else None))
+    return out
+
+
+def _rejected_rate_limit(tail_text: str) -> tuple[str, datetime | None] | None:
+    """The last ``rate_limit_event`` whose status is ``rejected``: (the record, its reset)."""
+    for line, rec in reversed(_records(tail_text)):
+        if rec is not None and rec.get("type") == "rate_limit_event":
+            info = rec.get("rate_limit_info") or {}
+            if isinstance(info, dict) and info.get("status") == "rejected":
+                reset = info.get("resetsAt")
+                until = datetime.fromtimestamp(reset, UTC) if isinstance(reset, int | float) else None
+                return line.strip()[:500], until
+    return None
+
+
+def _without_rate_limit_events(tail_text: str) -> str:
+    return "\n".join(line for line, rec in _records(tail_text)
+                     if rec is None or rec.get("type") != "rate_limit_event")
 
 
 _EPOCH = re.compile(r"\|\s*(\d{10})(?:\d{3})?\b")
@@ -227,7 +290,7 @@ def resolved(cfg: FleetConfig) -> dict[str, Any]:
             "name": name, "pool": p.pool, "slots": cfg.pools[p.pool].slots if p.pool else None,
             "command": p.command, "models": p.models, "default_model": p.model,
             "limit_patterns": p.limit_patterns, "limit_exit_codes": p.limit_exit_codes,
-            "throttle_backoff_seconds": p.throttle_backoff,
+            "throttle_backoff_seconds": p.throttle_backoff, "throttle_floor_seconds": p.throttle_floor,
             "tiers": {t: {"model": p.model_for(t), "argv": render_argv(p.command, {**SAMPLE_VALUES, "model": p.model_for(t) or ""})}
                       for t in tiers if p.model_for(t)},
         })

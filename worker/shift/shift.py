@@ -587,7 +587,8 @@ class Shift:
         limit = None
         if code != EX_TEMPFAIL:
             profile = self.cfg.profiles.get(job.dispatch.profile) if job.dispatch.profile else None
-            limit = usage_limit(profile, code, result.summary, tail(job.log_path, 4000))
+            limit = usage_limit(profile, code, result.summary, tail(job.log_path, 4000),
+                                succeeded=code == 0 and result.found and not result.is_error)
         if code == EX_TEMPFAIL or (job.stopping and code != 0):
             why = "agent asked to hand off (exit 75)" if code == EX_TEMPFAIL else f"shift ended ({self._stop_reason})"
             snap = self._snapshot(job, why, code, result.session_id)

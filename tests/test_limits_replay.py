@@ -1,0 +1,115 @@
+"""Usage limits read from real captured agent output (tests/agents/corpus/, sources in its README),
+replayed through real shifts by tests/agents/replay.py, on both store back-ends; and the reset
+sanity rules of worker.shift.dispatch.usage_limit on the real wordings.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fleetkit import Backend, Fleet, lane_defaults
+
+from worker.shift.dispatch import usage_limit
+
+CORPUS = Path(__file__).resolve().parent / "agents" / "corpus"
+REPLAY = str(Path(__file__).resolve().parent / "agents" / "replay.py")
+
+
+def replaying(sample: str, code: int = 0) -> list[str]:
+    return [sys.executable, REPLAY, str(CORPUS / sample), str(code)]
+
+
+@pytest.fixture
+def replay_fleet(backend: Backend, tmp_path: Path):
+    made: list[Fleet] = []
+
+    def make(sample: str, code: int = 0) -> Fleet:
+        f = Fleet(backend, tmp_path, {"work": lane_defaults(command=replaying(sample, code))})
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def test_a_success_with_allowed_rate_limit_events_is_done_not_throttled(replay_fleet) -> None:
+    # Claude Code 2.1.83 (anthropics/claude-code#38673): rate_limit_event status "allowed" records
+    # in an ordinary, successful session
+    fleet = replay_fleet("claude/stream-json-success-rate-limit-allowed-2.1.83.jsonl")
+    task = fleet.enqueue("work", "allowed", {})
+    fleet.run_shift("work", max_tasks=1, once=True)
+    assert fleet.task(task)["state"] == "done"
+    assert [r["outcome"] for r in fleet.runs(task)] == ["done"]
+
+
+def test_a_success_that_mentions_rate_limiting_is_done(backend: Backend, tmp_path: Path) -> None:
+    # Claude Code 2.1.3's real session of the corpus, its final result text replaced by a summary
+    # about rate limiting (the record's shape stays the captured one)
+    lines = (CORPUS / "claude/stream-json-success-tool-use-2.1.3.jsonl").read_text().splitlines()
+    result = json.loads(lines[-1])
+    assert result["type"] == "result" and result["is_error"] is False
+    result["result"] = "Added rate limiting to POST /login; tests pass"
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text("\n".join([*lines[:-1], json.dumps(result)]) + "\n")
+    fleet = Fleet(backend, tmp_path, {"work": lane_defaults(command=[sys.executable, REPLAY, str(edited), "0"])})
+    try:
+        task = fleet.enqueue("work", "mentions", {})
+        fleet.run_shift("work", max_tasks=1, once=True)
+        assert fleet.task(task)["state"] == "done"
+        assert fleet.sql("select count(*) as n from fleet.events where kind = 'throttled'")[0]["n"] == 0
+    finally:
+        fleet.close()
+
+
+def test_a_rejected_rate_limit_event_throttles_until_its_reset(replay_fleet) -> None:
+    sample = "claude/stream-json-session-limit-rejected-429-2.1.220.jsonl"
+    fleet = replay_fleet(sample, 1)
+    task = fleet.enqueue("work", "rejected", {})
+    fleet.run_shift("work", max_tasks=1, once=True)
+    row = fleet.task(task)
+    run = fleet.runs(task)[0]
+    assert (row["state"], row["failures"], run["outcome"]) == ("queued", 0, "throttled")
+    assert row["run_at"] >= datetime.now(UTC) + timedelta(seconds=50)  # never sooner than the floor
+
+
+# ------------------------------------------------------------------------------------------------
+# the wordings, and the resets that are not believed
+
+
+NOW = datetime(2026, 11, 30, 13, 0, tzinfo=UTC)
+
+
+def wordings(name: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (CORPUS / "limits" / name).read_text().splitlines() if line.strip()]
+
+
+def test_every_claude_limit_wording_of_the_corpus_is_a_limit_when_the_run_failed() -> None:
+    missed = [w for w in wordings("claude-limit-wordings.jsonl")
+              if usage_limit(None, 1, None, str(w.get("text", "")), now=NOW) is None]
+    assert missed == []
+
+
+def test_no_limit_wording_is_a_limit_of_a_run_that_succeeded() -> None:
+    for w in wordings("claude-limit-wordings.jsonl") + wordings("codex-limit-wordings.jsonl"):
+        assert usage_limit(None, 0, str(w.get("text", "")), "", succeeded=True, now=NOW) is None
+
+
+@pytest.mark.parametrize("text", [
+    "Claude AI usage limit reached|1700000000",          # a reset in the past
+    "usage limit: rate limited until 2026-11-30T12:00:00Z",  # past, as ISO
+    "usage limit reached, retry-after: 2592000",         # 30 days: longer than any window
+])
+def test_a_reset_in_the_past_or_too_far_ahead_is_not_believed(text: str) -> None:
+    hit = usage_limit(None, 1, text, "", now=NOW)
+    assert hit is not None and hit.until is None and hit.after_seconds == 900.0
+
+
+def test_a_reset_sooner_than_the_floor_waits_for_the_floor() -> None:
+    hit = usage_limit(None, 1, "usage limit, retry-after: 2", "", now=NOW)
+    assert hit is not None and hit.after_seconds == 60.0
