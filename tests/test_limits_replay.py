@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from fleetkit import Backend, Fleet, lane_defaults
 
-from worker.shift.dispatch import usage_limit
+from worker.shift.dispatch import reset_time, usage_limit
 
 CORPUS = Path(__file__).resolve().parent / "agents" / "corpus"
 REPLAY = str(Path(__file__).resolve().parent / "agents" / "replay.py")
@@ -113,3 +113,33 @@ def test_a_reset_in_the_past_or_too_far_ahead_is_not_believed(text: str) -> None
 def test_a_reset_sooner_than_the_floor_waits_for_the_floor() -> None:
     hit = usage_limit(None, 1, "usage limit, retry-after: 2", "", now=NOW)
     assert hit is not None and hit.after_seconds == 60.0
+
+
+def wording(name: str, fragment: str) -> str:
+    (text,) = [str(w["text"]) for w in wordings(name) if fragment in str(w["text"])]
+    return text
+
+
+# now = 2026-11-30 13:00 UTC; each reset worked out by hand from the real wording
+@pytest.mark.parametrize("file, fragment, until, after", [
+    ("claude-limit-wordings.jsonl", "resets Oct 31, 9am", datetime(2027, 10, 31, 9, 0, tzinfo=UTC), None),
+    ("claude-limit-wordings.jsonl", "resets Jan 18, 11:30am (Asia/Calcutta)",
+     datetime(2027, 1, 18, 6, 0, tzinfo=UTC), None),  # 11:30 IST is 06:00 UTC
+    ("claude-limit-wordings.jsonl", "resets Sep 15 at 7pm", datetime(2027, 9, 15, 19, 0, tzinfo=UTC), None),
+    ("claude-limit-wordings.jsonl", "regain access on 2026-04-01 at 00:00 UTC",
+     datetime(2026, 4, 1, 0, 0, tzinfo=UTC), None),
+    ("codex-limit-wordings.jsonl", "try again in 5 days 22 hours 11 minutes", None, 5 * 86400 + 22 * 3600 + 11 * 60),
+    ("codex-limit-wordings.jsonl", "try again at 12:16", datetime(2026, 12, 1, 12, 16, tzinfo=UTC), None),
+])
+def test_resets_with_a_date_a_span_or_a_clock_are_read(file: str, fragment: str, until: datetime | None,
+                                                      after: float | None) -> None:
+    assert reset_time(wording(file, fragment), now=NOW) == (until, after)
+
+
+def test_a_dated_reset_months_ahead_is_not_believed_but_a_near_one_is() -> None:
+    # Oct 31 seen from Nov 30 is eleven months ahead: a misread, the backoff applies
+    far = usage_limit(None, 1, wording("claude-limit-wordings.jsonl", "resets Oct 31, 9am"), "", now=NOW)
+    assert far is not None and far.until is None and far.after_seconds == 900.0
+    near = usage_limit(None, 1, wording("claude-limit-wordings.jsonl", "resets Oct 31, 9am"), "",
+                       now=datetime(2026, 10, 29, 8, 0, tzinfo=UTC))
+    assert near is not None and near.until == datetime(2026, 10, 31, 9, 0, tzinfo=UTC)

@@ -191,12 +191,23 @@ def _without_rate_limit_events(tail_text: str) -> str:
 
 _EPOCH = re.compile(r"\|\s*(\d{10})(?:\d{3})?\b")
 _ISO = re.compile(r"\b(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)")
-_CLOCK = re.compile(r"\breset(?:s|ting)?\b[^0-9\n]{0,20}(\d{1,2})(?::(\d{2}))?\s*(am|pm)?(?:\s*\(([^)]+)\))?",
-                    re.IGNORECASE)
+_CLOCK = re.compile(r"\b(?:reset(?:s|ting)?\b[^0-9\n]{0,20}|try again at\s+)(\d{1,2})(?::(\d{2}))?\s*(am|pm)?"
+                    r"(?:\s*\(([^)]+)\))?", re.IGNORECASE)
 _DELAY = re.compile(r"\b(?:in|after)\s+(\d+(?:\.\d+)?)\s*(seconds?|secs?|s|minutes?|mins?|m|hours?|hrs?|h)\b",
                     re.IGNORECASE)
 _RETRY_AFTER = re.compile(r"retry[- ]after:?\s*(\d+)\b", re.IGNORECASE)
+# "try again in 5 days 22 hours 11 minutes": a span of several units
+_SPAN = re.compile(r"\b(?:in|after)\s+((?:\d+\s*(?:days?|hours?|hrs?|minutes?|mins?|seconds?|secs?)\b[\s,]*(?:and\s+)?){2,})",
+                   re.IGNORECASE)
+_SPAN_PART = re.compile(r"(\d+)\s*(d|h|m|s)", re.IGNORECASE)
+# "resets Oct 31, 9am", "resets Sep 15 at 7pm", "resets Jan 18, 11:30am (Asia/Calcutta)"
+_DATED = re.compile(r"\breset(?:s|ting)?\b(?:\s+on)?\s+(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?\s+(\d{1,2})"
+                    r"(?:,|\s+at)?\s+(\d{1,2})(?::(\d{2}))?\s*(am|pm)?(?:\s*\(([^)]+)\))?", re.IGNORECASE)
+# "regain access on 2026-04-01 at 00:00 UTC"
+_DATE_AT = re.compile(r"\b(\d{4}-\d{2}-\d{2})\s+at\s+(\d{1,2}):(\d{2})\s*(UTC|GMT)?", re.IGNORECASE)
+_MONTHS = ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"]
 _UNIT = {"s": 1.0, "m": 60.0, "h": 3600.0}
+_UNIT_SPAN = {**_UNIT, "d": 86400.0}
 
 
 def reset_time(text: str, now: datetime | None = None) -> tuple[datetime | None, float | None]:
@@ -212,32 +223,68 @@ def reset_time(text: str, now: datetime | None = None) -> tuple[datetime | None,
             return (when if when.tzinfo else when.replace(tzinfo=UTC)), None
         except ValueError:
             pass
+    m = _DATE_AT.search(text)
+    if m:
+        try:
+            day = datetime.fromisoformat(m.group(1))
+            return day.replace(hour=int(m.group(2)), minute=int(m.group(3)), tzinfo=UTC), None
+        except ValueError:
+            pass
     m = _RETRY_AFTER.search(text)
     if m:
         return None, float(m.group(1))
+    m = _SPAN.search(text)
+    if m:
+        return None, sum(float(n) * _UNIT_SPAN[u.lower()] for n, u in _SPAN_PART.findall(m.group(1)))
+    m = _DATED.search(text)
+    if m:
+        return _dated(m, now), None
     m = _DELAY.search(text)
     if m:
         return None, float(m.group(1)) * _UNIT[m.group(2)[0].lower()]
     m = _CLOCK.search(text)
     if m:
-        hour, minute = int(m.group(1)), int(m.group(2) or 0)
-        ampm = (m.group(3) or "").lower()
-        if ampm == "pm" and hour < 12:
-            hour += 12
-        elif ampm == "am" and hour == 12:
-            hour = 0
+        hour, minute = _hour(int(m.group(1)), (m.group(3) or "").lower()), int(m.group(2) or 0)
         if hour > 23 or minute > 59:
             return None, None
-        try:
-            zone = ZoneInfo(m.group(4).strip()) if m.group(4) else UTC
-        except (ZoneInfoNotFoundError, ValueError):
-            zone = UTC
+        zone = _zone(m.group(4))
         local = now.astimezone(zone)
         when = local.replace(hour=hour, minute=minute, second=0, microsecond=0)
         if when <= local:
             when += timedelta(days=1)
         return when.astimezone(UTC), None
     return None, None
+
+
+def _dated(m: re.Match[str], now: datetime) -> datetime | None:
+    """A reset with a month and a day (the next such date, this year or the next), in its zone."""
+    month, day = _MONTHS.index(m.group(1)[:3].lower()) + 1, int(m.group(2))
+    hour, minute = _hour(int(m.group(3)), (m.group(5) or "").lower()), int(m.group(4) or 0)
+    zone = _zone(m.group(6))
+    local = now.astimezone(zone)
+    for year in (local.year, local.year + 1):
+        try:
+            when = datetime(year, month, day, hour, minute, tzinfo=zone)
+        except ValueError:
+            return None
+        if when > local:
+            return when.astimezone(UTC)
+    return None
+
+
+def _hour(hour: int, ampm: str) -> int:
+    if ampm == "pm" and hour < 12:
+        return hour + 12
+    if ampm == "am" and hour == 12:
+        return 0
+    return hour
+
+
+def _zone(name: str | None) -> ZoneInfo | Any:
+    try:
+        return ZoneInfo(name.strip()) if name else UTC
+    except (ZoneInfoNotFoundError, ValueError):
+        return UTC
 
 
 # -- verify gates
