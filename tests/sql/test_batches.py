@@ -23,6 +23,23 @@ from sqlkit import (
     take_lease,
 )
 
+
+def one_member_batch(conn: psycopg.Connection, keys: list[str]) -> tuple[int, Any, int]:
+    """A batch of ``keys`` in lane code, set up, its first member started and its gate pending:
+    (carrier, carrier token, batch)."""
+    sync_lane(conn, "code")
+    s = open_session(conn, "code")
+    for k in keys:
+        enqueue(conn, "code", k)
+    batch = call(conn, "batch_create", "code", keys, 4, None)
+    carrier = one(conn, "select task_id from fleet.batches where id = %s", (batch,))
+    ctok = take_lease(conn, s, carrier)
+    call(conn, "batch_setup", carrier, ctok, "main", f"batch/{batch}")
+    call(conn, "batch_member_start", carrier, ctok, 1, "b", "/w", "c0")
+    call(conn, "batch_member_gate", carrier, ctok, 1, "pending", None, member_usage(10))
+    return carrier, ctok, batch
+
+
 # ------------------------------------------------------------------------------------------------
 # a member's agent is a run of its own task
 
@@ -56,15 +73,7 @@ def test_a_members_agent_is_a_closed_run_of_its_own_task_that_follows_the_member
 
 
 def test_a_gate_re_reported_after_a_takeover_records_the_members_run_once(conn: psycopg.Connection) -> None:
-    sync_lane(conn, "code")
-    s = open_session(conn, "code")
-    enqueue(conn, "code", "m")
-    batch = call(conn, "batch_create", "code", ["m"], 4, None)
-    carrier = one(conn, "select task_id from fleet.batches where id = %s", (batch,))
-    ctok = take_lease(conn, s, carrier)
-    call(conn, "batch_setup", carrier, ctok, "main", f"batch/{batch}")
-    call(conn, "batch_member_start", carrier, ctok, 1, "b", "/w", "c0")
-    call(conn, "batch_member_gate", carrier, ctok, 1, "pending", None, member_usage(10))
+    carrier, ctok, batch = one_member_batch(conn, ["m"])  # its gate reported pending once
     call(conn, "batch_member_gate", carrier, ctok, 1, "pending", None, member_usage(10))
     call(conn, "batch_member_gate", carrier, ctok, 1, "automation-broken", "the gate crashed", None)
     (run,) = rows(conn, "select r.* from fleet.runs r join fleet.tasks t on t.id = r.task_id where t.key = 'm'")
@@ -96,20 +105,6 @@ def test_a_malformed_member_usage_is_refused_and_changes_nothing(conn: psycopg.C
 # the gate outcome decides the member's next step (fleet._gate_transition, in the finish group)
 
 
-def _one_member_batch(conn: psycopg.Connection, keys: list[str]) -> tuple[int, Any, int]:
-    sync_lane(conn, "code")
-    s = open_session(conn, "code")
-    for k in keys:
-        enqueue(conn, "code", k)
-    batch = call(conn, "batch_create", "code", keys, 4, None)
-    carrier = one(conn, "select task_id from fleet.batches where id = %s", (batch,))
-    ctok = take_lease(conn, s, carrier)
-    call(conn, "batch_setup", carrier, ctok, "main", f"batch/{batch}")
-    call(conn, "batch_member_start", carrier, ctok, 1, "b", "/w", "c0")
-    call(conn, "batch_member_gate", carrier, ctok, 1, "pending", None, member_usage(10))
-    return carrier, ctok, batch
-
-
 @pytest.mark.parametrize("gate, step, member, batch_state, task_state", [
     ("ok", "land", "running", "running", "batched"),
     ("task-failed", "evicted", "evicted", "running", "queued"),
@@ -118,7 +113,7 @@ def _one_member_batch(conn: psycopg.Connection, keys: list[str]) -> tuple[int, A
 ])
 def test_the_members_gate_outcome_chooses_its_next_step(conn: psycopg.Connection, gate: str, step: str,
                                                          member: str, batch_state: str, task_state: str) -> None:
-    carrier, ctok, batch = _one_member_batch(conn, ["m", "n"])
+    carrier, ctok, batch = one_member_batch(conn, ["m", "n"])
     assert call(conn, "batch_member_gate", carrier, ctok, 1, gate, "evidence", None) == step
     got = one(conn, "select state from fleet.batch_members where batch_id = %s and n = 1", (batch,))
     assert got == member
@@ -127,7 +122,7 @@ def test_the_members_gate_outcome_chooses_its_next_step(conn: psycopg.Connection
 
 
 def test_an_unknown_gate_outcome_is_refused_and_changes_nothing(conn: psycopg.Connection) -> None:
-    carrier, ctok, batch = _one_member_batch(conn, ["m"])
+    carrier, ctok, batch = one_member_batch(conn, ["m"])
     with pytest.raises(psycopg.Error, match="'maybe' is not a gate outcome") as err:
         call(conn, "batch_member_gate", carrier, ctok, 1, "maybe", None, None)
     assert err.value.sqlstate == "LF005"
@@ -139,7 +134,7 @@ def test_an_unknown_gate_outcome_is_refused_and_changes_nothing(conn: psycopg.Co
     ("automation-broken", "blocked", "automation-broken")])
 def test_the_batchs_own_gate_blocks_it_unless_ok(conn: psycopg.Connection, gate: str, answer: str,
                                                  reason: str | None) -> None:
-    carrier, ctok, batch = _one_member_batch(conn, ["m"])
+    carrier, ctok, batch = one_member_batch(conn, ["m"])
     call(conn, "batch_member_gate", carrier, ctok, 1, "ok", None, None)
     call(conn, "batch_member_landed", carrier, ctok, 1, "c0", "c1", "ok")
     got = call(conn, "batch_tail", carrier, ctok, "batch_verify", Jsonb({"gate": gate, "evidence": "out"}))
