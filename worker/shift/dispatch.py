@@ -118,11 +118,14 @@ def usage_limit(profile: ProfileConfig | None, code: int, final_text: str | None
     codes = profile.limit_exit_codes if profile is not None else []
     backoff = profile.throttle_backoff if profile is not None else ProfileConfig.model_fields["throttle_backoff"].default
     floor = profile.throttle_floor if profile is not None else ProfileConfig.model_fields["throttle_floor"].default
-    structured = _rejected_rate_limit(output_tail)
+    records = _records(output_tail[-4000:])
+    structured = _rejected_rate_limit(records)
     if structured is not None:
         note, until = structured
         return UsageLimit(note, *_believed(until, None, backoff, floor, now))
-    texts = [t for t in (final_text, _without_rate_limit_events(output_tail[-4000:])[-2000:]) if t]
+    # the text patterns never read a rate_limit_event: ordinary sessions carry them too
+    plain = "\n".join(line for line, rec in records if rec is None or rec.get("type") != "rate_limit_event")
+    texts = [t for t in (final_text, plain[-2000:]) if t]
     hit: str | None = None
     for text in texts:
         for pattern in patterns:
@@ -160,6 +163,7 @@ def _believed(until: datetime | None, after: float | None, backoff: float, floor
 
 
 def _records(tail_text: str) -> list[tuple[str, dict[str, Any] | None]]:
+    """Each line of the output's tail, with its JSON object when it is one."""
     out: list[tuple[str, dict[str, Any] | None]] = []
     for line in tail_text.splitlines():
         rec: Any = None
@@ -172,9 +176,9 @@ def _records(tail_text: str) -> list[tuple[str, dict[str, Any] | None]]:
     return out
 
 
-def _rejected_rate_limit(tail_text: str) -> tuple[str, datetime | None] | None:
+def _rejected_rate_limit(records: list[tuple[str, dict[str, Any] | None]]) -> tuple[str, datetime | None] | None:
     """The last ``rate_limit_event`` whose status is ``rejected``: (the record, its reset)."""
-    for line, rec in reversed(_records(tail_text)):
+    for line, rec in reversed(records):
         if rec is not None and rec.get("type") == "rate_limit_event":
             info = rec.get("rate_limit_info") or {}
             if isinstance(info, dict) and info.get("status") == "rejected":
@@ -184,30 +188,22 @@ def _rejected_rate_limit(tail_text: str) -> tuple[str, datetime | None] | None:
     return None
 
 
-def _without_rate_limit_events(tail_text: str) -> str:
-    return "\n".join(line for line, rec in _records(tail_text)
-                     if rec is None or rec.get("type") != "rate_limit_event")
-
-
 _EPOCH = re.compile(r"\|\s*(\d{10})(?:\d{3})?\b")
 _ISO = re.compile(r"\b(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)")
 _CLOCK = re.compile(r"\b(?:reset(?:s|ting)?\b[^0-9\n]{0,20}|try again at\s+)(\d{1,2})(?::(\d{2}))?\s*(am|pm)?"
                     r"(?:\s*\(([^)]+)\))?", re.IGNORECASE)
-_DELAY = re.compile(r"\b(?:in|after)\s+(\d+(?:\.\d+)?)\s*(seconds?|secs?|s|minutes?|mins?|m|hours?|hrs?|h)\b",
-                    re.IGNORECASE)
 _RETRY_AFTER = re.compile(r"retry[- ]after:?\s*(\d+)\b", re.IGNORECASE)
-# "try again in 5 days 22 hours 11 minutes": a span of several units
-_SPAN = re.compile(r"\b(?:in|after)\s+((?:\d+\s*(?:days?|hours?|hrs?|minutes?|mins?|seconds?|secs?)\b[\s,]*(?:and\s+)?){2,})",
-                   re.IGNORECASE)
-_SPAN_PART = re.compile(r"(\d+)\s*(d|h|m|s)", re.IGNORECASE)
+# a delay: "try again in 20 minutes", "in 5 days 22 hours 11 minutes"
+_SPAN = re.compile(r"\b(?:in|after)\s+((?:\d+(?:\.\d+)?\s*(?:days?|d|hours?|hrs?|h|minutes?|mins?|m|seconds?|secs?|s)\b"
+                   r"[\s,]*(?:and\s+)?)+)", re.IGNORECASE)
+_SPAN_PART = re.compile(r"(\d+(?:\.\d+)?)\s*([dhms])", re.IGNORECASE)
 # "resets Oct 31, 9am", "resets Sep 15 at 7pm", "resets Jan 18, 11:30am (Asia/Calcutta)"
 _DATED = re.compile(r"\breset(?:s|ting)?\b(?:\s+on)?\s+(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?\s+(\d{1,2})"
                     r"(?:,|\s+at)?\s+(\d{1,2})(?::(\d{2}))?\s*(am|pm)?(?:\s*\(([^)]+)\))?", re.IGNORECASE)
 # "regain access on 2026-04-01 at 00:00 UTC"
 _DATE_AT = re.compile(r"\b(\d{4}-\d{2}-\d{2})\s+at\s+(\d{1,2}):(\d{2})\s*(UTC|GMT)?", re.IGNORECASE)
 _MONTHS = ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"]
-_UNIT = {"s": 1.0, "m": 60.0, "h": 3600.0}
-_UNIT_SPAN = {**_UNIT, "d": 86400.0}
+_UNIT = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def reset_time(text: str, now: datetime | None = None) -> tuple[datetime | None, float | None]:
@@ -235,13 +231,10 @@ def reset_time(text: str, now: datetime | None = None) -> tuple[datetime | None,
         return None, float(m.group(1))
     m = _SPAN.search(text)
     if m:
-        return None, sum(float(n) * _UNIT_SPAN[u.lower()] for n, u in _SPAN_PART.findall(m.group(1)))
+        return None, sum(float(n) * _UNIT[u.lower()] for n, u in _SPAN_PART.findall(m.group(1)))
     m = _DATED.search(text)
     if m:
         return _dated(m, now), None
-    m = _DELAY.search(text)
-    if m:
-        return None, float(m.group(1)) * _UNIT[m.group(2)[0].lower()]
     m = _CLOCK.search(text)
     if m:
         hour, minute = _hour(int(m.group(1)), (m.group(3) or "").lower()), int(m.group(2) or 0)
