@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import re
 import sys
 import uuid
@@ -257,8 +258,6 @@ def render_migration(before: str, groups: Sequence[Group]) -> str:
 def server_url() -> str:
     """The server to make scratch databases on: FLEET_DEV_DATABASE_URL or TEST_DATABASE_URL, else
     the machine's PostgreSQL on 127.0.0.1:5432, else the embedded one in ./.fleet/dev-embedded."""
-    import os
-
     for var in ("FLEET_DEV_DATABASE_URL", "TEST_DATABASE_URL"):
         if os.environ.get(var):
             return os.environ[var]
