@@ -323,11 +323,7 @@ def new_migration(
     path = directory / f"{version}_fleet_{name}.sql"
     path.write_text(render_migration(before, changed))
     try:
-        with scratch_database(server) as url:
-            migrate(url, migrations=load_migrations(directory))
-            problems = in_step(url, directory) + [
-                f"{o}: no source defines it" for o in unsourced(url, directory)
-            ]
+        problems = check(directory, server)
     except Exception:
         path.unlink()
         raise
@@ -338,6 +334,7 @@ def new_migration(
 
 
 def check(migrations: Path | None = None, server: str | None = None) -> list[str]:
+    """How the sources and the migrations disagree, on a scratch database migrated from scratch."""
     directory = migrations or migrations_dir()
     problems = [f"{n}: a generated migration was edited by hand" for n in edited_generated(directory)]
     with scratch_database(server or server_url()) as url:
