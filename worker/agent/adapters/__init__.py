@@ -1,0 +1,59 @@
+"""One adapter per agent CLI (claude, codex, opencode, gemini; generic for anything else).
+
+Each module of this package defines ``ADAPTER``; the registry finds them all, so adding an agent
+CLI is one module here plus its samples under tests/agents/corpus/ (README "Adding an agent CLI").
+A profile or lane names its adapter (``agent = "codex"``); by default :func:`detect` picks it from
+the program name of the command.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import PurePath
+
+from worker.agent.adapters.base import Reading, Signal, StreamReader, Tokens
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str
+    programs: tuple[str, ...]  # program names it is detected from (the basename of argv[0])
+    command: tuple[str, ...]  # the default argv template (the prompt goes to the agent's stdin)
+    reader: Callable[[], StreamReader]
+    resume: tuple[str, ...] | None = None  # argv template to resume a session (None: `command`'s rule)
+    reports_cost: bool = True  # False: the cost is computed from the price table
+    describe: str = ""  # one line for `fleet profiles` and the README
+
+
+def _load() -> dict[str, Adapter]:
+    found: dict[str, Adapter] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        if info.name == "base":
+            continue
+        adapter = getattr(importlib.import_module(f"{__name__}.{info.name}"), "ADAPTER", None)
+        if isinstance(adapter, Adapter):
+            found[adapter.name] = adapter
+    return found
+
+
+ADAPTERS: dict[str, Adapter] = _load()
+AGENT_NAMES = tuple(sorted(ADAPTERS))
+
+
+def detect(argv: Sequence[str]) -> str:
+    """The adapter of a command, from its program's name (``generic`` when none claims it)."""
+    program = PurePath(argv[0]).name if argv else ""
+    for adapter in ADAPTERS.values():
+        if program in adapter.programs:
+            return adapter.name
+    return "generic"
+
+
+def adapter(name: str) -> Adapter:
+    return ADAPTERS[name]
+
+
+__all__ = ["ADAPTERS", "AGENT_NAMES", "Adapter", "Reading", "Signal", "StreamReader", "Tokens", "adapter", "detect"]
