@@ -4,12 +4,16 @@ real shifts running the scripted agent against a real database, on both back-end
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fleetkit import AGENT, Backend, Fleet, lane_defaults, pids_using, wait_for
+
+CORPUS = Path(__file__).resolve().parent / "agents" / "corpus"
+REPLAY = str(Path(__file__).resolve().parent / "agents" / "replay.py")
 
 TIERS = ["mechanical", "mid", "strong"]
 PROFILES = {
@@ -59,6 +63,28 @@ def test_a_stalled_agent_is_stopped_and_its_next_attempt_escalates(rails) -> Non
     assert escalated[0]["detail"]["reason"] == "stalled"
     assert summary.outcomes.get("stalled") == 1
     assert not pids_using(fleet.workspace("work", "quiet")), "the stalled agent outlived its stop"
+
+
+def test_a_stalled_attempt_claimed_again_at_once_keeps_the_tokens_it_streamed(backend: Backend, tmp_path: Path) -> None:
+    # Claude Code 2.0.27's real session (tests/agents/corpus), cut before its result record: an agent
+    # that streamed its turns and then went silent. With no backoff the same shift claims the task
+    # again while the stalled agent is still being stopped.
+    sample = CORPUS / "claude" / "stream-json-task-subagent-two-models-2.0.27.jsonl"
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("".join(line for line in sample.read_text().splitlines(keepends=True)
+                           if json.loads(line)["type"] != "result"))
+    lane = lane_defaults(command=[sys.executable, REPLAY, str(cut), "hang"], stall_seconds=2,
+                         stall_action="stop", backoff_base_seconds=0, max_attempts=2, slots=2)
+    fleet = Fleet(backend, tmp_path, {"work": lane})
+    try:
+        task = fleet.enqueue("work", "stalls", {})
+        fleet.run_shift("work", max_tasks=2, max_seconds=40)
+        runs = fleet.runs(task)
+        assert [(r["outcome"], r["reason"]) for r in runs] == [("failed", "stalled")] * 2
+        # the streamed messages' cache writes, once per message id: sonnet 60,390 + haiku 8,378
+        assert [r["cache_creation_tokens"] for r in runs] == [68768, 68768]
+    finally:
+        fleet.close()
 
 
 def test_a_stall_is_only_reported_where_the_lane_says_so_and_progress_keeps_an_agent_alive(rails) -> None:

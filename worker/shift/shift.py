@@ -300,6 +300,12 @@ class Shift:
             self.batches[task.id] = BatchRunner(self, task)
             self.log.info("batch claimed", task=task.id, batch=task.batch_id, attempt=task.attempts)
             return
+        old = self.jobs.pop(task.id, None)
+        if old is not None:
+            # the task's lease ended under its agent (a stall, a repair) and the claim handed it back
+            # at once: the old attempt ends first, so what it streamed is recorded under its own run
+            self._kill(old, old.killed or "lost")
+            self._finish(old, old.agent.wait(30))
         log = self.log.bind(task=task.id, key=task.key, attempt=task.attempts)
         ws = workspace_for(self.workspaces, self.lane_name, task.key)
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
