@@ -190,7 +190,7 @@ def test_backoff_max_below_base_is_refused(tmp_path: Path) -> None:
 
 def test_command_is_required_and_not_empty(tmp_path: Path) -> None:
     missing = refused(write(tmp_path, "[lanes.docs]\nmax_running = 1\n"))
-    assert "lanes.docs" in missing and "needs a command or a profile" in missing
+    assert "lanes.docs" in missing and "needs a command, a profile or an agent" in missing
     assert "lanes.docs.command" in refused(write(tmp_path, "[lanes.docs]\ncommand = []\n"))
 
 

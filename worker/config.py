@@ -114,6 +114,13 @@ def _check_placeholders(v: list[str] | None) -> list[str] | None:
     return v
 
 
+def _agent_name(v: str | None) -> str | None:
+    # which names exist is the adapters' to say (worker.agent.adapters.check_config): this is the form
+    if v is not None and not LANE_NAME.match(v):
+        raise ValueError(f"{v!r} is not an agent name (e.g. claude, codex, opencode, gemini, generic)")
+    return v
+
+
 class PoolConfig(_Strict):
     """A capacity pool (an account, a subscription, a local GPU): slots across the whole fleet."""
 
@@ -123,7 +130,8 @@ class PoolConfig(_Strict):
 class ProfileConfig(_Strict):
     """A named dispatch configuration: how to start an agent, and which model each tier runs."""
 
-    command: list[str] = Field(min_length=1)
+    command: list[str] | None = Field(default=None, min_length=1)  # default: the agent's own
+    agent: str | None = None  # the adapter (claude, codex, opencode, gemini, generic); default: from the program
     models: dict[str, str] = Field(default_factory=dict)  # tier -> model
     model: str | None = None  # a tier the map does not name
     pool: str | None = None
@@ -153,12 +161,30 @@ class ProfileConfig(_Strict):
                 raise ValueError(f"limit pattern {pattern!r} is not a regular expression: {exc}") from None
         return v
 
+    _agent = field_validator("agent")(classmethod(lambda cls, v: _agent_name(v)))
+
+    @model_validator(mode="after")
+    def _command_or_agent(self) -> ProfileConfig:
+        if self.command is None and self.agent is None:
+            raise ValueError("a profile needs a command or an agent (claude, codex, opencode, gemini)")
+        return self
+
     def model_for(self, tier: str | None) -> str | None:
         return self.models.get(tier, self.model) if tier else self.model
 
 
+class PriceConfig(_Strict):
+    """A model's list price in USD per million tokens, for agent CLIs that report no cost."""
+
+    input: float = Field(ge=0)
+    output: float = Field(ge=0)
+    cache_read: float | None = Field(default=None, ge=0)  # default: input
+    cache_write: float | None = Field(default=None, ge=0)  # default: input
+
+
 class LaneConfig(_Strict):
-    command: list[str] | None = Field(default=None, min_length=1)  # or a profile's
+    command: list[str] | None = Field(default=None, min_length=1)  # or a profile's, or the agent's own
+    agent: str | None = None  # the adapter of `command` (default: from its program name)
     instructions: Path | None = None  # default: lane_instructions/<lane>.md
     model: str | None = None
     max_running: int | None = Field(default=None, ge=0)  # slots across the whole fleet; None = unlimited
@@ -207,6 +233,7 @@ class LaneConfig(_Strict):
 
     _split_command = field_validator("command", "verify", "batch_verify", "ship", mode="before")(classmethod(lambda cls, v: _argv(v)))
     _placeholders = field_validator("command")(classmethod(lambda cls, v: _check_placeholders(v)))
+    _agent = field_validator("agent")(classmethod(lambda cls, v: _agent_name(v)))
 
     @field_validator("verify_timeout", "workspace_retention", mode="before")
     @classmethod
@@ -219,8 +246,8 @@ class LaneConfig(_Strict):
             raise ValueError("tiers must not repeat")
         if self.default_tier is not None and self.default_tier not in self.tiers:
             raise ValueError(f"default_tier {self.default_tier!r} is not one of the lane's tiers {self.tiers}")
-        if self.command is None and self.profile is None:
-            raise ValueError("a lane needs a command or a profile")
+        if self.command is None and self.profile is None and self.agent is None:
+            raise ValueError("a lane needs a command, a profile or an agent")
         return self
 
     @field_validator("cron")
@@ -285,6 +312,8 @@ class FleetConfig(_Strict):
     pools: dict[str, PoolConfig] = Field(default_factory=dict)
     profiles: dict[str, ProfileConfig] = Field(default_factory=dict)
     lanes: dict[str, LaneConfig] = Field(default_factory=dict)
+    # USD per million tokens by model, over worker.agent.prices.DEFAULT_PRICES
+    prices: dict[str, PriceConfig] = Field(default_factory=dict)
     # where the file was read from (None: built-in defaults); relative paths resolve against it
     source: Path | None = None
 

@@ -89,6 +89,9 @@ class Run(_Row):
     pool: str | None = None
     reason: str | None = None
     gate: str | None = None
+    agent: str | None = None  # the adapter that read its output: claude, codex, opencode, gemini, generic
+    reasoning_tokens: int = 0  # part of output_tokens
+    cost_source: str | None = None  # 'reported' by the agent CLI, 'computed' from the price table, None: no price
 
 
 class Event(_Row):

@@ -11,6 +11,7 @@ from typing import cast
 
 import psycopg
 
+from worker.agent.adapters import check_config
 from worker.config import FleetConfig, load_config
 from worker.db.migrate import newer, pending, refuse_newer
 from worker.errors import DatabaseUnavailable, MigrationError
@@ -25,7 +26,9 @@ class Runtime:
 
     @cached_property
     def cfg(self) -> FleetConfig:
-        return load_config(self.config_path)
+        cfg = load_config(self.config_path)
+        check_config(cfg)  # the agents it names: known to worker.agent.adapters
+        return cfg
 
     @property
     def embedded(self) -> bool:

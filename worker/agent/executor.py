@@ -6,29 +6,22 @@
 - cwd is the workspace; the environment gets FLEET_TASK_ID, FLEET_TASK_KEY, FLEET_LANE,
   FLEET_ATTEMPT, FLEET_WORKSPACE (plus FLEET_MODEL, FLEET_AGENT_SESSION) and loses the
   database credentials, which an agent never needs.
-- stdout and stderr go straight to the run's log file (the file is the child's stdout: nothing
-  is buffered in the shift, so a killed run still leaves its log).
+- stdin is the task's prompt file; stdout and stderr go straight to the run's log file (the file
+  is the child's stdout: nothing is buffered in the shift, so a killed run still leaves its log),
+  which the agent's adapter (worker.agent.adapters) reads as it grows.
 - The agent runs under :mod:`worker.agent.supervisor`, which kills it when the shift dies.
-- Exit 0 = done, 75 (EX_TEMPFAIL) = hand off, other = failed attempt. A Claude-Code style
-  stream-json ``{"type": "result"}`` record on stdout gives the agent's session id, ``is_error``,
-  ``total_cost_usd`` and the tokens, summed over ``modelUsage`` — never the top-level ``usage``
-  block, which leaves out sub-agents. An agent stopped before its result record (the shift
-  ended, a lease was lost) still named its session in its earlier records (``init``, every
-  turn): that one is kept, so the next shift can resume the session.
+- Exit 75 (EX_TEMPFAIL) = hand off; what any other exit means is worker.shift.limits's to judge.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 EX_TEMPFAIL = 75
 
@@ -63,159 +56,6 @@ def agent_env(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, st
     return env
 
 
-@dataclass
-class AgentResult:
-    """What the final stream-json result record said."""
-
-    found: bool = False
-    session_id: str | None = None
-    is_error: bool = False
-    subtype: str | None = None
-    cost_usd: float = 0.0
-    input_tokens: int = 0
-    cache_creation_tokens: int = 0
-    cache_read_tokens: int = 0
-    output_tokens: int = 0
-    models: list[str] = field(default_factory=list)
-    summary: str | None = None
-
-    def report(self) -> dict[str, Any]:
-        """The token and cost fields of ``fleet.record_run``."""
-        out: dict[str, Any] = {
-            "input_tokens": self.input_tokens,
-            "cache_creation_tokens": self.cache_creation_tokens,
-            "cache_read_tokens": self.cache_read_tokens,
-            "output_tokens": self.output_tokens,
-            "cost_usd": self.cost_usd,
-        }
-        if self.session_id:
-            out["agent_session"] = self.session_id
-        if self.models:
-            out["model"] = ",".join(self.models)
-        return out
-
-
-@dataclass
-class StreamUsage:
-    """Usage as a run streams it: read the log from where the last read stopped, sum the usage of
-    each assistant message (once per message id: Claude Code repeats a message's usage on each of
-    its content blocks), and keep the largest cost a record names. Lets a shift enforce a budget
-    while the agent runs, and count the tokens of a run that never wrote its result record."""
-
-    offset: int = 0
-    input_tokens: int = 0
-    cache_creation_tokens: int = 0
-    cache_read_tokens: int = 0
-    output_tokens: int = 0
-    cost_usd: float = 0.0
-    _seen: set[str] = field(default_factory=set)
-    _partial: bytes = b""
-
-    @property
-    def tokens(self) -> int:
-        return self.input_tokens + self.cache_creation_tokens + self.cache_read_tokens + self.output_tokens
-
-    def read(self, path: Path, limit: int = 4 << 20) -> bool:
-        """Read what the log gained; True if it grew."""
-        try:
-            with path.open("rb") as fh:
-                fh.seek(self.offset)
-                chunk = fh.read(limit)
-        except OSError:
-            return False
-        if not chunk:
-            return False
-        self.offset += len(chunk)
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()[-65536:]
-        for raw in lines:
-            self._line(raw.decode("utf-8", "replace").strip())
-        return True
-
-    def _line(self, line: str) -> None:
-        if not line.startswith("{"):
-            return
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            return
-        if not isinstance(obj, dict):
-            return
-        for key in ("total_cost_usd", "cost_usd"):
-            cost = obj.get(key)
-            if isinstance(cost, int | float) and cost > self.cost_usd:
-                self.cost_usd = float(cost)
-        message = obj.get("message")
-        if obj.get("type") != "assistant" or not isinstance(message, dict):
-            return
-        usage = message.get("usage")
-        mid = message.get("id")
-        if not isinstance(usage, dict) or (isinstance(mid, str) and mid in self._seen):
-            return
-        if isinstance(mid, str):
-            self._seen.add(mid)
-        self.input_tokens += _int(usage.get("input_tokens"))
-        self.cache_creation_tokens += _int(usage.get("cache_creation_input_tokens"))
-        self.cache_read_tokens += _int(usage.get("cache_read_input_tokens"))
-        self.output_tokens += _int(usage.get("output_tokens"))
-
-    def report(self) -> dict[str, Any]:
-        return {"input_tokens": self.input_tokens, "cache_creation_tokens": self.cache_creation_tokens,
-                "cache_read_tokens": self.cache_read_tokens, "output_tokens": self.output_tokens,
-                "cost_usd": self.cost_usd}
-
-
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) and value >= 0 else 0
-
-
-def parse_result(lines: Iterable[str]) -> AgentResult:
-    """The last ``{"type": "result"}`` record among ``lines``; lines that are not JSON are skipped.
-
-    Without a result record (or without a session id in it), ``session_id`` is the last one any
-    record named: an interrupted agent's session can still be resumed.
-    """
-    record: dict[str, Any] | None = None
-    last_session: str | None = None
-    for line in lines:
-        line = line.strip()
-        if not line.startswith("{"):
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(obj, dict):
-            continue
-        sid = obj.get("session_id")
-        if isinstance(sid, str) and sid:
-            last_session = sid
-        if obj.get("type") == "result":
-            record = obj
-    if record is None:
-        return AgentResult(session_id=last_session)
-    res = AgentResult(found=True)
-    sid = record.get("session_id")
-    res.session_id = sid if isinstance(sid, str) and sid else last_session
-    res.is_error = bool(record.get("is_error"))
-    res.subtype = record.get("subtype") if isinstance(record.get("subtype"), str) else None
-    cost = record.get("total_cost_usd")
-    res.cost_usd = float(cost) if isinstance(cost, int | float) and cost >= 0 else 0.0
-    summary = record.get("result")
-    res.summary = summary[:2000] if isinstance(summary, str) else None
-    usage = record.get("modelUsage")
-    if isinstance(usage, dict):
-        for model, u in usage.items():
-            if not isinstance(u, dict):
-                continue
-            res.models.append(str(model))
-            res.input_tokens += _int(u.get("inputTokens"))
-            res.cache_creation_tokens += _int(u.get("cacheCreationInputTokens"))
-            res.cache_read_tokens += _int(u.get("cacheReadInputTokens"))
-            res.output_tokens += _int(u.get("outputTokens"))
-    return res
-
-
 def tail(path: Path, limit: int = 4000) -> str:
     """The last ``limit`` bytes of a log, as text."""
     try:
@@ -228,28 +68,23 @@ def tail(path: Path, limit: int = 4000) -> str:
         return ""
 
 
-def read_lines(path: Path) -> Iterable[str]:
-    try:
-        with path.open("r", encoding="utf-8", errors="replace") as fh:
-            yield from fh
-    except OSError:
-        return
-
-
 class AgentProcess:
     """One agent under its supervisor. Close the pipe (``kill``) and the agent's group dies."""
 
-    def __init__(self, argv: list[str], *, cwd: Path, env: Mapping[str, str], log_path: Path) -> None:
+    def __init__(self, argv: list[str], *, cwd: Path, env: Mapping[str, str], log_path: Path,
+                 stdin: Path | None = None) -> None:
+        """``stdin``: a file the agent reads on its standard input (the prompt; else nothing)."""
         self.argv = argv
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         read_end, self._write_end = os.pipe()  # both ends close-on-exec; the child gets read_end only
         try:
-            with log_path.open("ab", buffering=0) as log:
+            with log_path.open("ab", buffering=0) as log, \
+                    (stdin.open("rb") if stdin is not None else open(os.devnull, "rb")) as given:
                 self.proc = subprocess.Popen(
                     # -P: the cwd is the task's workspace, whose own `worker/` must not shadow ours
                     [sys.executable, "-P", "-m", "worker.agent.supervisor", str(read_end), "--", *argv],
-                    cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL, stdout=log,
+                    cwd=cwd, env=dict(env), stdin=given, stdout=log,
                     stderr=subprocess.STDOUT, pass_fds=(read_end,), start_new_session=True,
                 )
         except BaseException:

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from worker.cli.context import JsonOpt, TaskRef, console, emit_json, err_console, rt
 from worker.errors import InvalidInput
+from worker.models import Run
 from worker.store.task_input import (
     check_state,
     enqueue_lines,
@@ -139,17 +140,41 @@ def show(ctx: typer.Context, ref: TaskRef, as_json: JsonOpt = False) -> None:
                 console.print(f"  {i}. {st['lane']} → {st.get('routed_to')}  attempts {st.get('attempts')}"
                               f"  note {escape(json.dumps(st.get('note')))}")
     if runs:
-        table = Table("run", "lane", "attempt", "outcome", "exit", "tokens in/cache/out", "cost $", "started")
+        console.print("runs:")
         for r in runs:
-            table.add_row(str(r.id), r.lane, str(r.attempt), r.outcome or "running",
-                          "" if r.exit_code is None else str(r.exit_code),
-                          f"{r.input_tokens}/{r.cache_creation_tokens + r.cache_read_tokens}/{r.output_tokens}",
-                          f"{r.cost_usd:.4f}", r.started_at.strftime("%Y-%m-%d %H:%M:%S"))
-        console.print(table)
+            for line in run_lines(r):
+                console.print(escape(line))
     table = Table("event", "time", "kind", "detail")
     for e in events:
         table.add_row(str(e.id), e.ts.strftime("%H:%M:%S"), e.kind, escape(json.dumps(e.detail)[:100]))
     console.print(table)
+
+
+_COST_SOURCE = {"reported": "reported by the agent", "computed": "computed from the price table",
+                None: "no price for this model"}
+
+
+def run_lines(r: Run) -> list[str]:
+    """A run in a few lines that fit 80 columns: what ran it, what it spent, how it ended."""
+    ended = r.outcome or "running"
+    head = f"  run {r.id}  attempt {r.attempt}  {r.lane}  {ended}"
+    if r.exit_code is not None:
+        head += f" (exit {r.exit_code})"
+    head += f"  {r.started_at.strftime('%Y-%m-%d %H:%M:%S')}"
+    who = [r.agent or "agent ?", f"tier {r.tier or '-'}", f"profile {r.profile or '(lane command)'}",
+           f"pool {r.pool or '-'}", f"model {r.model or '-'}"]
+    tokens = (f"{r.input_tokens:,} in · {r.cache_creation_tokens:,} cache write · "
+              f"{r.cache_read_tokens:,} cache read · {r.output_tokens:,} out")
+    if r.reasoning_tokens:
+        tokens += f" ({r.reasoning_tokens:,} reasoning)"
+    spent = f"${r.cost_usd:.4f}"
+    if r.cost_usd or r.cost_source:
+        spent += f" ({_COST_SOURCE.get(r.cost_source, r.cost_source)})"
+    lines = [head, "    " + " · ".join(who), f"    tokens {tokens}", f"    cost {spent}"]
+    if r.reason or r.gate:
+        lines.append("    " + "  ".join(x for x in (f"reason {r.reason}" if r.reason else "",
+                                                     f"gate {r.gate}" if r.gate else "") if x))
+    return lines
 
 
 def cancel(ctx: typer.Context, ref: TaskRef) -> None:

@@ -42,15 +42,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 from uuid import UUID
 
-from worker.agent.executor import (
-    AgentProcess,
-    StreamUsage,
-    agent_env,
-    parse_result,
-    read_lines,
-    render_argv,
-    tail,
-)
+from worker.agent.adapters import ADAPTERS, StreamReader
+from worker.agent.executor import AgentProcess, agent_env, render_argv, tail
+from worker.agent.prices import run_cost, run_report
 from worker.config import FleetConfig, LaneConfig
 from worker.errors import ConfigError, DatabaseUnavailable, FleetError, LeaseLost
 from worker.models import Task
@@ -132,7 +126,8 @@ class BatchRunner:
     # what this run streamed, and why the runner stopped it for its budget
     budget: tuple[float | None, int | None] = (None, None)
     spent_before: tuple[float, int] = (0.0, 0)
-    usage: StreamUsage = field(default_factory=StreamUsage)
+    reader: StreamReader = field(default_factory=StreamReader)
+    model: str | None = None  # the member agent's dispatched model (for a cost from the price table)
     over_budget: str | None = None
     marks: Marks = (0, None, None)
 
@@ -280,12 +275,14 @@ class BatchRunner:
             self._start_gate(ws, env)
             return
         self.budget, self.spent_before = self.shift.task_budget(member_task, self.log)  # for the run's own spend
-        self.usage, self.over_budget, self.marks = StreamUsage(), None, (0, None, None)
         d = self._dispatch(member_task)
+        self.reader, self.model = ADAPTERS[d.agent].reader(), d.model
+        self.over_budget, self.marks = None, (0, None, None)
         values = {"prompt_file": str(ws.prompt_file), "workspace": str(ws.root), "model": d.model or "",
                   "task_id": str(member_task.id), "agent_session": member_task.agent_session or ""}
         log = self._log_path(m, "agent")
-        self.running = _Proc("agent", AgentProcess(render_argv(d.command, values), cwd=ws.root, env=env, log_path=log))
+        self.running = _Proc("agent", AgentProcess(d.argv(values), cwd=ws.root, env=env, log_path=log,
+                                                   stdin=ws.prompt_file))
         self.log.info("batch member started", n=m["n"], key=m["key"], branch=branch, cut=str(m["cut_sha"])[:12],
                       pid=self.running.proc.pid, dispatch=d.describe())
 
@@ -316,9 +313,10 @@ class BatchRunner:
         r = self.running
         assert r is not None
         if r.kind == "agent" and self.budget != (None, None) and self.over_budget is None:
-            self.usage.read(r.proc.log_path)
-            over = over_budget(self.budget, self.spent_before[0] + self.usage.cost_usd,
-                                self.spent_before[1] + self.usage.tokens)
+            self.reader.read(r.proc.log_path)
+            reading = self.reader.reading()
+            spent, _ = run_cost(reading, reading.tokens, self.model, self.shift.cfg.prices)
+            over = over_budget(self.budget, self.spent_before[0] + spent, self.spent_before[1] + reading.tokens.total)
             if over is not None:
                 self.over_budget = over
                 r.proc.kill()
@@ -339,14 +337,13 @@ class BatchRunner:
         getattr(self, f"_after_{r.kind}")(r, code, timed_out)
 
     def _spend(self, r: _Proc, code: int) -> tuple[dict[str, Any], bool]:
-        """The member's agent's report (its run's tokens, cost, model, session) and is_error: the
-        final record's modelUsage, else what the run streamed (a stopped run still spent tokens)."""
-        result = parse_result(read_lines(r.proc.log_path))
-        self.usage.read(r.proc.log_path)
-        spent = result.report() if result.found else {**result.report(), **self.usage.report()}
-        usage = {**spent, "exit_code": code, "log_path": str(r.proc.log_path)}
+        """The member's agent's report (its run's tokens, cost, model, session) and whether the
+        agent's own end-of-run record said it failed (a stopped run still spent what it streamed)."""
+        reading = self.reader.read_all(r.proc.log_path)
+        usage = {**run_report(reading, reading.tokens, self.model, self.shift.cfg.prices),
+                 "exit_code": code, "log_path": str(r.proc.log_path)}
         usage["cost_usd"] = round(float(usage.get("cost_usd") or 0), 6)
-        return usage, result.is_error
+        return usage, reading.final and not reading.succeeded
 
     def _after_agent(self, r: _Proc, code: int, _timed_out: bool) -> None:
         m = self.member

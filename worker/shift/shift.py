@@ -29,23 +29,17 @@ from uuid import UUID
 
 import structlog
 
-from worker.agent.executor import (
-    EX_TEMPFAIL,
-    AgentProcess,
-    StreamUsage,
-    agent_env,
-    parse_result,
-    read_lines,
-    render_argv,
-    tail,
-)
+from worker.agent.adapters import ADAPTERS, Reading, StreamReader, Tokens
+from worker.agent.executor import EX_TEMPFAIL, AgentProcess, agent_env, render_argv, tail
+from worker.agent.prices import run_cost, run_report
 from worker.config import FleetConfig, LaneConfig
 from worker.errors import DatabaseUnavailable, FleetError, LeaseLost, SessionLost
 from worker.models import LaneHandoff, Task
 from worker.proc import process_start_time
 from worker.shift.batch import BatchRunner
-from worker.shift.dispatch import Dispatch, banner, classify_gate, resolve, usage_limit
+from worker.shift.dispatch import Dispatch, banner, classify_gate, resolve
 from worker.shift.guard import GuardServer
+from worker.shift.limits import judge
 from worker.shift.progress import Marks, over_budget, progress_marks, waiting_for
 from worker.store.protocol import Store
 from worker.workspace.disk import disk_use
@@ -81,8 +75,9 @@ class Job:
     # the verify gate runs in ``agent``'s place once the agent exited 0 (or at once, for a task an
     # operator resumed): ``gate_until`` is its deadline (monotonic)
     gate_until: float | None = None
-    result: Any = None  # the agent's AgentResult, kept for the completion after the gate
-    usage: StreamUsage = field(default_factory=StreamUsage)  # as the run streams it
+    reader: StreamReader = field(default_factory=StreamReader)  # the agent's output, read as it streams
+    resumed: bool = False  # this attempt was told to resume the task's agent session
+    result: Reading | None = None  # the agent's reading, kept for the completion after the gate
     spent_before: tuple[float, int] = (0.0, 0)  # the task's earlier runs: cost, tokens
     budget: tuple[float | None, int | None] = (None, None)  # the task's: max cost, max tokens
     over_budget: str | None = None  # why the shift stopped the agent for its budget
@@ -343,8 +338,8 @@ class Shift:
             else:
                 values = {"prompt_file": str(ws.prompt_file), "workspace": str(ws.root),
                           "model": d.model or "", "task_id": str(task.id),
-                          "agent_session": task.agent_session or ""}
-                agent = AgentProcess(render_argv(d.command, values), cwd=ws.root, env=env, log_path=log_path)
+                          "agent_session": self.resumable(task, d) or ""}
+                agent = AgentProcess(d.argv(values), cwd=ws.root, env=env, log_path=log_path, stdin=ws.prompt_file)
         except OSError as exc:
             log.error("could not start the agent", error=str(exc))
             error, token = f"could not start the agent: {exc}", task.lease_token
@@ -352,18 +347,28 @@ class Shift:
             self._call(task.id, lambda: self.store.fail(task.id, token, error), "failed")
             return
         job = Job(task=task, ws=ws, agent=agent, log_path=log_path, started=time.monotonic(), dispatch=d,
-                  spent_before=spent_before, budget=budget)
+                  spent_before=spent_before, budget=budget, reader=ADAPTERS[d.agent].reader(),
+                  resumed=bool(self.resumable(task, d)) and not gate_only)
         if gate_only:
             job.gate_until = time.monotonic() + self.lane.verify_timeout
         cp = ws.read_checkpoint()
         if cp is not None:
             job.checkpoint, job.checkpoint_mtime = cp
         self.jobs[task.id] = job
-        self._record(job, {"log_path": str(log_path), "model": d.model, "tier": d.tier})
+        self._record(job, {"log_path": str(log_path), "model": d.model, "tier": d.tier, "agent": d.agent})
         if gate_only:
             log.info("verify gate started (resumed task: the gate only)", pid=agent.pid, log=str(log_path))
         else:
             log.info("agent started", pid=agent.pid, log=str(log_path), dispatch=d.describe())
+
+    def resumable(self, task: Task, d: Dispatch) -> str | None:
+        """The task's agent session, if this attempt can resume it: an agent keeps its sessions on
+        the host that ran it (Claude Code under ~/.claude), under the profile (agent, account) it
+        ran with. Elsewhere the attempt starts fresh, with the checkpoint, the hand-off and the
+        stage history in its prompt."""
+        if task.agent_session and task.agent_session_host == self.host and task.agent_session_profile == d.profile:
+            return task.agent_session
+        return None
 
     def task_budget(self, task: Task, log: Any) -> tuple[tuple[float | None, int | None], tuple[float, int]]:
         """The task's budget (its own, else the lane's: max cost, max tokens) and what its earlier
@@ -386,7 +391,7 @@ class Shift:
             "FLEET_TASK_ID": str(task.id), "FLEET_TASK_KEY": task.key, "FLEET_LANE": self.lane_name,
             "FLEET_ATTEMPT": str(task.attempts if attempt is None else attempt), "FLEET_WORKSPACE": str(ws.root),
             "FLEET_MODEL": d.model or "", "FLEET_TIER": d.tier or "", "FLEET_PROFILE": d.profile or "",
-            "FLEET_AGENT_SESSION": task.agent_session or "",
+            "FLEET_AGENT_SESSION": self.resumable(task, d) or "",
             **self.guard_env(task.lease_token if lease is None else lease),
             **extra,
         })
@@ -523,7 +528,7 @@ class Shift:
                 del self.batches[task_id]
         for task_id, job in list(self.jobs.items()):
             if job.gate_until is None:
-                job.usage.read(job.log_path)
+                job.reader.read(job.log_path)
                 self._check_budget(job)
             code = job.agent.poll()
             timed_out = False
@@ -543,8 +548,9 @@ class Shift:
     def _check_budget(self, job: Job) -> None:
         if job.over_budget is not None or job.killed is not None or job.budget == (None, None):
             return
-        over = over_budget(job.budget, job.spent_before[0] + job.usage.cost_usd,
-                            job.spent_before[1] + job.usage.tokens)
+        reading = job.reader.reading()
+        spent, _ = run_cost(reading, reading.tokens, job.dispatch.model, self.cfg.prices)
+        over = over_budget(job.budget, job.spent_before[0] + spent, job.spent_before[1] + reading.tokens.total)
         if over is not None:
             job.over_budget = over
             job.agent.kill()
@@ -563,14 +569,14 @@ class Shift:
         job.agent.release()
         task = job.task
         log = self.log.bind(task=task.id, key=task.key, attempt=task.attempts, exit_code=code)
-        result = parse_result(read_lines(job.log_path))
-        job.usage.read(job.log_path)
-        # the final record's modelUsage when there is one; else what the run streamed (a run that was
-        # stopped still spent its tokens)
-        usage = result.report() if result.found else {**result.report(), **job.usage.report()}
-        report: dict[str, Any] = {**usage, "exit_code": code, "log_path": str(job.log_path)}
+        reading = job.reader.read_all(job.log_path)  # what it streamed, and its end-of-run record
+        report: dict[str, Any] = {**run_report(reading, self._own_tokens(job, reading), job.dispatch.model,
+                                               self.cfg.prices),
+                                  "exit_code": code, "log_path": str(job.log_path)}
         if job.dispatch.model:
-            report["model"] = job.dispatch.model  # what was dispatched (modelUsage names sub-agents too)
+            report["model"] = job.dispatch.model  # what was dispatched (the reading names sub-agents too)
+        if reading.session_missing is not None and job.resumed:
+            report.pop("agent_session", None)  # a new id the agent made up for a session it could not find
         if code != 0:
             report["error_tail"] = tail(job.log_path, 2000)
         self._record(job, report)  # tokens count even when the lease is gone
@@ -590,32 +596,36 @@ class Shift:
             state = self._call(tid, lambda: self.store.block(tid, token, "budget", over), "blocked")
             log.warning("blocked: the run crossed the task's budget", spent=over, state=state)
             return
-        limit = None
-        if code != EX_TEMPFAIL:
-            profile = self.cfg.profiles.get(job.dispatch.profile) if job.dispatch.profile else None
-            limit = usage_limit(profile, code, result.summary, tail(job.log_path, 4000),
-                                succeeded=code == 0 and result.found and not result.is_error)
         if code == EX_TEMPFAIL or (job.stopping and code != 0):
             why = "agent asked to hand off (exit 75)" if code == EX_TEMPFAIL else f"shift ended ({self._stop_reason})"
-            snap = self._snapshot(job, why, code, result.session_id)
+            snap = self._snapshot(job, why, code, reading.session_id)
             self._git_push(job, commit_wip=True)
             state = self._call(tid, lambda: self.store.hand_off(tid, token, snap), "handed_off")
             log.info("handed off", state=state)
-        elif limit is not None:
+            return
+        profile = self.cfg.profiles.get(job.dispatch.profile) if job.dispatch.profile else None
+        verdict = judge(reading, code, profile, tail(job.log_path, 4000), resumed=job.resumed)
+        if verdict.kind == "throttled":
             # never a success, never a spent attempt: the pool pauses, the task waits for the reset
+            limit = verdict.limit
+            assert limit is not None
             until = self._call(tid, lambda: str(self.store.throttle(tid, token, limit.until, limit.note,
-                                                                    limit.after_seconds)), "throttled")
+                                                                    limit.after_seconds, limit.signal_report())),
+                               "throttled")
             log.warning("usage limit: pool throttled, task requeued for after the reset",
-                        pool=task.pool, until=until, note=limit.note)
-        elif code != 0:
-            error = f"exit code {code}: {tail(job.log_path, 800).strip()[-800:]}"
-            state = self._call(tid, lambda: self.store.fail(tid, token, error, reason="unverified-exit"), "failed")
-            log.info("attempt failed", state=state)
-        elif result.found and result.is_error:
-            error = f"the agent reported is_error ({result.subtype}): {result.summary or ''}"[:2000]
-            state = self._call(tid, lambda: self.store.fail(tid, token, error, reason="unverified-exit"), "failed")
-            log.info("attempt failed: is_error", state=state)
-        elif self.lane.require_result and not result.found:
+                        pool=task.pool, until=until, signal=limit.signal, note=limit.note)
+        elif verdict.kind == "transient":
+            state = self._call(tid, lambda: self.store.transient(tid, token, verdict.why), "transient")
+            log.warning("provider error: retried without spending an attempt", state=state, error=verdict.why[:300])
+        elif verdict.kind == "session_dropped":
+            missing = verdict.why
+            state = self._call(tid, lambda: self.store.drop_session(tid, token, missing), "session_dropped")
+            log.warning("the agent could not resume its session: the next attempt starts fresh", state=state,
+                        note=missing[:300])
+        elif verdict.kind == "failed":
+            state = self._call(tid, lambda: self.store.fail(tid, token, verdict.why, reason="unverified-exit"), "failed")
+            log.info("attempt failed", state=state, error=verdict.why[:300])
+        elif self.lane.require_result and not reading.final:
             error = "unverified exit: exit 0 without a result record"
             state = self._call(tid, lambda: self.store.fail(tid, token, error, reason="unverified-exit"), "failed")
             log.info("attempt failed: unverified exit", state=state)
@@ -628,7 +638,7 @@ class Shift:
                 self._end_gate(job, "automation-broken", f"the gate could not be started: {exc}")
                 return
             job.gate_until = time.monotonic() + self.lane.verify_timeout
-            job.result = result
+            job.result = reading
             self.jobs[tid] = job
             log.info("verify gate started", pid=job.agent.pid)
         else:
@@ -646,11 +656,27 @@ class Shift:
                     state = self._call(tid, lambda: self.store.fail(tid, token, error), "failed")
                 log.info("routed", to=target, state=state)
             else:
-                res = {"summary": result.summary, "agent_session": result.session_id,
-                       "cost_usd": result.cost_usd} if result.found else {"summary": None}
+                res = _result(reading, report)
                 self._git_push(job, commit_wip=False)  # the work, where other hosts and people see it
                 state = self._call(tid, lambda: self.store.complete(tid, token, res), "done")
                 log.info("done", state=state)
+
+    def _own_tokens(self, job: Job, reading: Reading) -> Tokens:
+        """The run's own tokens: a CLI that reports its session's running total (Codex across
+        `exec resume`) less what the earlier runs of that session recorded."""
+        if not (reading.session_total and job.resumed and reading.session_id):
+            return reading.tokens
+        try:
+            earlier = [r for r in self.store.task_runs(job.task.id)
+                       if r.agent_session == reading.session_id and r.lease_token != job.token]
+        except FleetError as exc:
+            self.log.warning("could not read the session's earlier runs; counting its running total",
+                             task=job.task.id, error=str(exc))
+            return reading.tokens
+        before = Tokens(sum(r.input_tokens for r in earlier), sum(r.cache_creation_tokens for r in earlier),
+                        sum(r.cache_read_tokens for r in earlier), sum(r.output_tokens for r in earlier),
+                        sum(r.reasoning_tokens for r in earlier))
+        return reading.tokens.minus(before)
 
     def _finish_gate(self, job: Job, code: int, *, timed_out: bool = False) -> None:
         job.agent.release()
@@ -676,8 +702,7 @@ class Shift:
         res: dict[str, Any] | None = None
         if outcome == "ok":  # passed work is pushed before it counts as done, where others see it
             result = job.result
-            res = ({"summary": result.summary, "agent_session": result.session_id, "cost_usd": result.cost_usd}
-                   if result is not None and result.found else {"summary": None})
+            res = _result(result, None) if result is not None else {"summary": None}
             self._git_push(job, commit_wip=False)
         state = self._call(tid, lambda: self.store.gate_verdict(tid, token, outcome, evidence, res), VERDICT)
         log.info("the verify gate judged the work", state=state, evidence=evidence[-300:])
@@ -819,3 +844,11 @@ def write_lane_handoff(folder: Path, h: LaneHandoff) -> Path:
     path = folder / f"{h.window_end:%Y%m%dT%H%M%S}-{h.session_id}.md"
     path.write_text(lane_handoff_markdown(h))
     return path
+
+
+def _result(reading: Reading, report: dict[str, Any] | None) -> dict[str, Any]:
+    """A completed task's ``result``: the agent's final message, session and cost."""
+    if not reading.final:
+        return {"summary": None}
+    cost = report["cost_usd"] if report is not None else reading.cost_usd
+    return {"summary": reading.summary, "agent_session": reading.session_id, "cost_usd": cost}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 
 from worker.agent.adapters.base import Reading, Signal, StreamReader, Tokens
+from worker.config import FleetConfig
 
 
 @dataclass(frozen=True)
@@ -56,4 +57,34 @@ def adapter(name: str) -> Adapter:
     return ADAPTERS[name]
 
 
-__all__ = ["ADAPTERS", "AGENT_NAMES", "Adapter", "Reading", "Signal", "StreamReader", "Tokens", "adapter", "detect"]
+
+def agent_of(name: str | None, argv: Sequence[str] | None, where: str) -> Adapter:
+    """The adapter a profile or lane names (``where``: its config path), else the one its command's
+    program is; ConfigError naming ``where`` for an unknown one."""
+    from worker.errors import ConfigError
+
+    chosen = name or detect(argv or ())
+    if chosen not in ADAPTERS:
+        raise ConfigError(f"{where}.agent: unknown agent {chosen!r} (agents: {', '.join(AGENT_NAMES)})")
+    found = ADAPTERS[chosen]
+    if argv is None and not found.command:
+        raise ConfigError(f"{where}: agent {chosen!r} has no default command; give `command`")
+    return found
+
+
+def check_config(cfg: FleetConfig) -> None:
+    """Every profile's and lane's agent exists and has a command (ConfigError naming the field)."""
+    from worker.errors import ConfigError
+
+    for name, profile in cfg.profiles.items():
+        agent_of(profile.agent, profile.command, f"profiles.{name}")
+    for name, lane in cfg.lanes.items():
+        if lane.profile is not None and lane.agent is not None:
+            raise ConfigError(f"lanes.{name}.agent: the lane runs profile {lane.profile!r}; "
+                              f"name the agent there (profiles.{lane.profile}.agent)")
+        if lane.profile is None:
+            agent_of(lane.agent, lane.command, f"lanes.{name}")
+
+
+__all__ = ["ADAPTERS", "AGENT_NAMES", "Adapter", "Reading", "Signal", "StreamReader", "Tokens", "adapter",
+           "agent_of", "check_config", "detect"]
