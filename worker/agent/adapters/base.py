@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -194,3 +194,10 @@ def money(value: Any) -> float | None:
 
 def clip(text: Any, limit: int = 2000) -> str | None:
     return text[:limit] if isinstance(text, str) and text else None
+
+
+def epoch(value: Any) -> datetime | None:
+    """A reset time a CLI names as epoch seconds (a positive number), else None."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < 1e11:
+        return datetime.fromtimestamp(value, UTC)
+    return None

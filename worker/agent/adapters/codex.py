@@ -1,0 +1,109 @@
+"""OpenAI Codex CLI: ``codex exec --json`` (JSON Lines on stdout).
+
+What it prints (tests/agents/corpus/codex/, README "Shapes"): ``thread.started{thread_id}``,
+``turn.started``, ``item.started/updated/completed`` (reasoning, agent_message, command_execution,
+file_change, todo_list, error …), then ``turn.completed{usage}`` or ``turn.failed{error}``;
+top-level ``{"type":"error"}`` events come before a failure, and also for "Reconnecting... N/5".
+
+What is read:
+
+- the session: ``thread.started.thread_id`` (re-emitted with the same id by ``exec resume``);
+- the outcome: ``turn.completed`` → succeeded; ``turn.failed`` or a top-level ``error`` (other
+  than "Reconnecting... N/5", which is not a failure by itself) → final, not succeeded, its
+  message → error. ``item.completed`` of type "error" is a warning (exec-json-rollout-budget-…);
+- the summary: the last ``agent_message`` item;
+- tokens: ``turn.completed.usage``. ``input_tokens`` includes the cache reads
+  (``cached_input_tokens``) and the cache writes (``cache_write_input_tokens``, newer builds), so
+  input = input_tokens - cached - cache_write; ``output_tokens`` includes
+  ``reasoning_output_tokens``. The 0.157.1 sample's cache writes are all 0, so its numbers cannot
+  tell; the split is as agentclientprotocol/codex-acp#509/#510 and getagentseal/codeburn#1075
+  report it ("Codex reports inputTokens inclusive of both cache reads and cache writes", "reasoning
+  output appears to be included in output_tokens: 23,318 input + 251 output = 23,569 total").
+  The usage is the *thread's* running total across ``exec resume`` (openai/codex#19308 maps it
+  from the thread's total token usage; exec-json-resume-cumulative-usage-0.157.1.jsonl:
+  10 656 → 21 328 → 32 017 input), hence ``session_total``. No cost, no model in the events;
+- limits: only wording, in ``error``/``turn.failed`` messages ("You've hit your usage limit … try
+  again at 12:16 PM", the backend's ``usage_limit_reached`` body with ``resets_at``); transient:
+  "exceeded retry limit, last status: 5xx", "stream disconnected", 5xx, "overloaded". A 401 is an
+  ordinary failure.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from worker.agent.adapters import Adapter
+from worker.agent.adapters.base import Signal, StreamReader, Tokens, clip, count, epoch
+
+_RECONNECTING = re.compile(r"^\s*Reconnecting\.\.\.\s*\d+/\d+", re.IGNORECASE)
+_LIMIT = re.compile(r"usage limit|usage_limit_reached|rate limit|last status: 429\b|Too Many Requests", re.IGNORECASE)
+_RESETS_AT = re.compile(r'"resets_at"\s*:\s*(\d{9,11})\b')
+_TRANSIENT = re.compile(r"last status: 5\d\d\b|stream disconnected|\b(?:500|502|503|504|529)\b|overloaded|"
+                        r"Internal Server Error|Bad Gateway|Service Unavailable", re.IGNORECASE)
+
+
+class CodexReader(StreamReader):
+    agent = "codex"
+
+    def record(self, obj: dict[str, Any]) -> None:
+        kind = obj.get("type")
+        if kind == "thread.started":
+            tid = obj.get("thread_id")
+            if isinstance(tid, str) and tid:
+                self.out.session_id = tid
+        elif kind == "item.completed":
+            item = obj.get("item")
+            if isinstance(item, dict) and item.get("type") == "agent_message":
+                self.out.summary = clip(item.get("text")) or self.out.summary
+        elif kind == "turn.completed":
+            self._completed(obj.get("usage"))
+        elif kind == "turn.failed":
+            error = obj.get("error")
+            self._failed("turn.failed", error.get("message") if isinstance(error, dict) else None)
+        elif kind == "error":
+            message = obj.get("message")
+            if not (isinstance(message, str) and _RECONNECTING.match(message)):
+                self._failed("error", message)
+
+    def _completed(self, usage: Any) -> None:
+        out = self.out
+        out.final, out.succeeded, out.subtype = True, True, "turn.completed"
+        if not isinstance(usage, dict):
+            return
+        cached, written = count(usage.get("cached_input_tokens")), count(usage.get("cache_write_input_tokens"))
+        out.tokens = Tokens(max(0, count(usage.get("input_tokens")) - cached - written), written, cached,
+                            count(usage.get("output_tokens")), count(usage.get("reasoning_output_tokens")))
+        out.session_total = True
+
+    def _failed(self, kind: str, message: Any) -> None:
+        out = self.out
+        text = message if isinstance(message, str) else ""
+        out.final, out.succeeded = True, False
+        if out.subtype != "turn.failed":  # a turn.failed is the last word; an error before it says the same
+            out.subtype = kind
+        out.error = clip(text) or out.error
+        signal = f"codex {kind}"
+        if _LIMIT.search(text):
+            reset = _RESETS_AT.search(text)
+            out.limit = Signal(signal, text[:500], epoch(int(reset.group(1))) if reset else None)
+        elif _TRANSIENT.search(text):
+            out.transient = Signal(signal, text[:500])
+
+
+# Verified against openai/codex codex-rs/exec/src/cli.rs (the stored snapshot): `--json` and
+# `--skip-git-repo-check` are global flags, `--model` is made global for exec's subcommands, the
+# PROMPT "-" (or none) reads the prompt from stdin, and `exec resume [SESSION_ID] [PROMPT]` takes
+# "-" to read it from stdin too ("Prompt to send after resuming the session. If `-` is used, read
+# from stdin."). Also the docs' `codex exec -  # Force reading from stdin`. Note `codex exec`'s
+# sandbox is read-only by default: a profile that lets the agent write adds `--sandbox …`.
+ADAPTER = Adapter(
+    name="codex",
+    programs=("codex",),
+    command=("codex", "exec", "--json", "--skip-git-repo-check", "--model", "{model}", "-"),
+    resume=("codex", "exec", "--json", "--skip-git-repo-check", "--model", "{model}", "resume",
+            "{agent_session}", "-"),
+    reader=CodexReader,
+    reports_cost=False,
+    describe="exec --json events: thread.started, turn.completed usage (thread total), turn.failed/error",
+)
