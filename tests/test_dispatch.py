@@ -16,7 +16,8 @@ from fleetkit import AGENT, Backend, Fleet, lane_defaults
 
 from worker.config import FleetConfig, ProfileConfig, load_config
 from worker.errors import ConfigError, InvalidInput, InvalidState
-from worker.shift.dispatch import classify_gate, reset_time, resolve, usage_limit
+from worker.shift.dispatch import classify_gate, resolve
+from worker.shift.limits import reset_time, usage_limit
 
 TIERS = ["mechanical", "mid", "strong"]
 MODELS_A = {"mechanical": "a-small", "mid": "a-mid", "strong": "a-large"}
@@ -329,7 +330,7 @@ pool = "max"
     ('profile = "claude"\npools = ["gone"]', "lanes.work.pools: unknown pool 'gone'"),
     ('profile = "claude"\ntiers = ["mechanical", "huge"]', "profile 'claude' maps no model to tier 'huge'"),
     ('profile = "claude"\ntiers = ["mid"]\ndefault_tier = "strong"', "default_tier 'strong' is not one of"),
-    ("max_running = 1", "needs a command or a profile"),
+    ("max_running = 1", "needs a command, a profile or an agent"),
 ])
 def test_bad_dispatch_config_is_refused_naming_the_field(tmp_path: Path, lane: str, words: str) -> None:
     with pytest.raises(ConfigError) as info:

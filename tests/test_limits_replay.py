@@ -1,6 +1,6 @@
 """Usage limits read from real captured agent output (tests/agents/corpus/, sources in its README),
 replayed through real shifts by tests/agents/replay.py, on both store back-ends; and the reset
-sanity rules of worker.shift.dispatch.usage_limit on the real wordings.
+sanity rules of worker.shift.limits.usage_limit on the real wordings.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from fleetkit import Backend, Fleet, lane_defaults
 
-from worker.shift.dispatch import reset_time, usage_limit
+from worker.shift.limits import reset_time, usage_limit
 
 CORPUS = Path(__file__).resolve().parent / "agents" / "corpus"
 REPLAY = str(Path(__file__).resolve().parent / "agents" / "replay.py")
@@ -110,9 +110,12 @@ def test_a_reset_in_the_past_or_too_far_ahead_is_not_believed(text: str) -> None
     assert hit is not None and hit.until is None and hit.after_seconds == 900.0
 
 
-def test_a_reset_sooner_than_the_floor_waits_for_the_floor() -> None:
+def test_a_near_reset_is_read_as_said_and_the_database_applies_the_floor() -> None:
+    # the floor is fleet.throttle's (tests/sql/test_finish.py); Python reports what it read
     hit = usage_limit(None, 1, "usage limit, retry-after: 2", "", now=NOW)
-    assert hit is not None and hit.after_seconds == 60.0
+    assert hit is not None and hit.after_seconds == 2.0 and hit.signal == "pattern 'usage limit'"
+    assert hit.signal_report() == {"signal": "pattern 'usage limit'", "text": "usage limit, retry-after: 2",
+                                   "reset": (NOW + timedelta(seconds=2)).isoformat()}
 
 
 def wording(name: str, fragment: str) -> str:

@@ -22,7 +22,8 @@ import psycopg
 import pytest
 from fleetkit import Backend, Fleet, alive, lane_defaults, pids_using, proc_children, wait_for
 
-from worker.agent.executor import parse_result
+from worker.agent.adapters import ADAPTERS
+from worker.agent.prices import run_report
 from worker.dev import example_agent
 from worker.shift.shift import IDLE_CLAIM_MAX, Shift, ShiftSummary
 
@@ -103,7 +104,7 @@ def kill_leftovers(pids: set[int]) -> None:
 # -- 1. completion, retries, tokens
 
 
-def test_parse_result_sums_model_usage_skips_noise_and_takes_the_last_result() -> None:
+def test_the_generic_reader_sums_model_usage_skips_noise_and_takes_the_last_result() -> None:
     first = {"type": "result", "session_id": "s-1", "is_error": True, "total_cost_usd": 9.0,
              "modelUsage": {"m": {"inputTokens": 999999, "outputTokens": 1}}}
     last = {
@@ -130,29 +131,29 @@ def test_parse_result_sums_model_usage_skips_noise_and_takes_the_last_result() -
         "[1, 2, 3]\n",
         "done.\n",
     ]
-    res = parse_result(lines)
-    assert res.found
+    res = ADAPTERS["generic"].reader().feed("".join(lines))
+    assert res.final and res.succeeded
     assert res.session_id == "s-2"
-    assert res.is_error is False and res.subtype == "success"
+    assert res.subtype == "success"
     assert res.cost_usd == pytest.approx(0.25)
     assert res.summary == "all good"
-    assert (res.input_tokens, res.cache_creation_tokens, res.cache_read_tokens, res.output_tokens) == (
-        140, 8, 57, 14)
-    assert res.input_tokens != last["usage"]["input_tokens"]
+    t = res.tokens
+    assert (t.input, t.cache_write, t.cache_read, t.output) == (140, 8, 57, 14)
+    assert t.input != last["usage"]["input_tokens"]
     assert sorted(res.models) == ["claude-haiku-4-5", "claude-sonnet-4-5"]
-    report = res.report()
+    report = run_report(res, res.tokens, None, {})
     assert report["input_tokens"] == 140 and report["output_tokens"] == 14
-    assert report["agent_session"] == "s-2"
+    assert report["agent_session"] == "s-2" and report["cost_source"] == "reported"
 
-    nothing = parse_result(["no json here\n", "{\"type\": \"assistant\"}\n"])
-    assert not nothing.found and nothing.input_tokens == 0 and not nothing.is_error
-    assert nothing.session_id is None and "agent_session" not in nothing.report()
+    nothing = ADAPTERS["generic"].reader().feed("no json here\n{\"type\": \"assistant\"}\n")
+    assert not nothing.final and nothing.tokens.total == 0 and not nothing.succeeded
+    assert nothing.session_id is None and "agent_session" not in run_report(nothing, nothing.tokens, None, {})
     # an agent stopped before its result record: the session its earlier records named is kept
-    cut = parse_result([json.dumps({"type": "system", "subtype": "init", "session_id": "s-9"}) + "\n",
-                        json.dumps({"type": "assistant", "session_id": "s-9", "message": {}}) + "\n",
-                        "Killed\n"])
-    assert not cut.found and cut.session_id == "s-9" and cut.report()["agent_session"] == "s-9"
-    assert cut.input_tokens == 0
+    cut = ADAPTERS["generic"].reader().feed(
+        json.dumps({"type": "system", "subtype": "init", "session_id": "s-9"}) + "\n"
+        + json.dumps({"type": "assistant", "session_id": "s-9", "message": {}}) + "\nKilled\n")
+    assert not cut.final and cut.session_id == "s-9"
+    assert cut.tokens.total == 0
 
 
 def test_shift_completes_tasks_with_one_run_each_and_tokens_from_model_usage(fleet_of) -> None:

@@ -511,17 +511,21 @@ def test_every_adapter_module_defines_adapter() -> None:
 
 
 @pytest.mark.parametrize(("name", "without", "with_session"), [
-    ("claude", ["claude", "-p", "--output-format", "stream-json", "--verbose", "--model", "m"],
-     ["claude", "-p", "--output-format", "stream-json", "--verbose", "--model", "m", "--resume", "S"]),
+    ("claude", ["claude", "-p", "--output-format", "stream-json", "--verbose", "--permission-mode", "acceptEdits",
+                "--model", "m"],
+     ["claude", "-p", "--output-format", "stream-json", "--verbose", "--permission-mode", "acceptEdits",
+      "--model", "m", "--resume", "S"]),
     ("opencode", ["opencode", "run", "--format", "json", "--model", "m"],
      ["opencode", "run", "--format", "json", "--model", "m", "--session", "S"]),
-    ("gemini", ["gemini", "--output-format", "stream-json", "--model", "m"],
-     ["gemini", "--output-format", "stream-json", "--model", "m", "--resume", "S"]),
+    ("gemini", ["gemini", "--output-format", "stream-json", "--approval-mode", "auto_edit", "--model", "m"],
+     ["gemini", "--output-format", "stream-json", "--approval-mode", "auto_edit", "--model", "m", "--resume", "S"]),
 ])
 def test_default_commands_resume_only_a_session(name: str, without: list[str], with_session: list[str]) -> None:
     command = list(ADAPTERS[name].command)
     assert render_argv(command, {"model": "m", "agent_session": ""}) == without
     assert render_argv(command, {"model": "m", "agent_session": "S"}) == with_session
+    # no model configured: the agent's own default (no `--model ""`)
+    assert render_argv(command, {"model": "", "agent_session": ""}) == [a for a in without if a not in ("--model", "m")]
 
 
 def test_codex_resume_command() -> None:

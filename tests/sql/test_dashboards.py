@@ -49,7 +49,8 @@ from sqlkit import (
 )
 
 from monitor.dashboards.reads import queries
-from worker.agent.executor import parse_result
+from worker.agent.adapters import ADAPTERS
+from worker.agent.prices import run_report
 from worker.models import TASK_STATES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -446,8 +447,8 @@ def test_usage_by_lane_day_sums_model_usage_per_utc_day(conn: psycopg.Connection
         set_run(conn, token, f"'{(when - timedelta(minutes=5)).isoformat()}'::timestamptz",
                 f"'{when.isoformat()}'::timestamptz")
 
-    result = parse_result(json.dumps(r) for r in STREAM)
-    report = result.report()
+    result = ADAPTERS["generic"].reader().feed("\n".join(json.dumps(r) for r in STREAM))
+    report = run_report(result, result.tokens, None, {})
     assert (report["input_tokens"], report["cache_read_tokens"]) == (1200, 6800)   # not 10 and 30
     u1 = enqueue(conn, "a", "u1")
     tok = take(conn, s, u1)["lease_token"]

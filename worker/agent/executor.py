@@ -34,13 +34,14 @@ _PLACEHOLDER = re.compile(r"\{(prompt_file|workspace|model|task_id|agent_session
 def render_argv(template: list[str], values: Mapping[str, str]) -> list[str]:
     """Fill the placeholders of an argv template (other braces are left alone).
 
-    An argument that is exactly ``{agent_session}`` is dropped while there is no session yet,
-    together with an option right before it: ``--resume {agent_session}`` means "resume if
-    there is something to resume".
+    An argument that is exactly ``{agent_session}`` or ``{model}`` is dropped while it has no
+    value, together with an option right before it: ``--resume {agent_session}`` means "resume if
+    there is something to resume", ``--model {model}`` "the agent's own default, unless a model
+    is configured".
     """
     argv: list[str] = []
     for arg in template:
-        if arg == "{agent_session}" and not values.get("agent_session"):
+        if arg in ("{agent_session}", "{model}") and not values.get(arg[1:-1]):
             if argv and argv[-1].startswith("-") and len(argv) > 1:
                 argv.pop()
             continue

@@ -83,8 +83,11 @@ def run_cost(reading: Reading, tokens: Tokens, model: str | None,
     does not attribute to a model."""
     if reading.cost_usd is not None:
         return reading.cost_usd, "reported"
-    by_model = reading.by_model if reading.by_model and not reading.session_total else {model or "": tokens}
-    computed = cost(by_model, prices)
+    # the models the CLI named (a router alias such as Gemini's "auto-gemini-3" has no price: then
+    # the dispatched model's)
+    computed = cost(reading.by_model, prices) if reading.by_model and not reading.session_total else None
+    if computed is None:
+        computed = cost({model or "": tokens}, prices)
     return (computed, "computed") if computed is not None else (0.0, None)
 
 

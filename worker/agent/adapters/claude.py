@@ -178,9 +178,10 @@ def _result_tokens(obj: dict[str, Any]) -> tuple[Tokens, dict[str, Tokens]]:
 ADAPTER = Adapter(
     name="claude",
     programs=("claude",),
-    # the prompt goes to stdin; `--resume {agent_session}` is dropped while there is no session
-    command=("claude", "-p", "--output-format", "stream-json", "--verbose", "--model", "{model}",
-             "--resume", "{agent_session}"),
+    # the prompt goes to stdin; `--resume {agent_session}` is dropped while there is no session.
+    # acceptEdits: it may edit files in its workspace; anything more (Bash) the profile's command says
+    command=("claude", "-p", "--output-format", "stream-json", "--verbose", "--permission-mode", "acceptEdits",
+             "--model", "{model}", "--resume", "{agent_session}"),
     reader=ClaudeReader,
     reports_cost=True,
     describe="stream-json/json records: result (modelUsage, total_cost_usd), rate_limit_event, limit messages",

@@ -100,9 +100,11 @@ class CodexReader(StreamReader):
 ADAPTER = Adapter(
     name="codex",
     programs=("codex",),
-    command=("codex", "exec", "--json", "--skip-git-repo-check", "--model", "{model}", "-"),
-    resume=("codex", "exec", "--json", "--skip-git-repo-check", "--model", "{model}", "resume",
-            "{agent_session}", "-"),
+    # workspace-write: it may edit its workspace (exec is read-only by default), no network
+    command=("codex", "exec", "--json", "--skip-git-repo-check", "--sandbox", "workspace-write", "--model", "{model}",
+             "-"),
+    resume=("codex", "exec", "--json", "--skip-git-repo-check", "--sandbox", "workspace-write", "--model", "{model}",
+            "resume", "{agent_session}", "-"),
     reader=CodexReader,
     reports_cost=False,
     describe="exec --json events: thread.started, turn.completed usage (thread total), turn.failed/error",

@@ -135,7 +135,9 @@ class GeminiReader(StreamReader):
 ADAPTER = Adapter(
     name="gemini",
     programs=("gemini",),
-    command=("gemini", "--output-format", "stream-json", "--model", "{model}", "--resume", "{agent_session}"),
+    # auto_edit: file edits are applied, shell commands are not (headless runs cannot ask)
+    command=("gemini", "--output-format", "stream-json", "--approval-mode", "auto_edit", "--model", "{model}",
+             "--resume", "{agent_session}"),
     reader=GeminiReader,
     reports_cost=False,
     describe="stream-json events (init, result stats) or the json document (stats.models tokens)",
