@@ -5,6 +5,8 @@ pools and usage limits — through real shifts running the scripted agent agains
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 from datetime import UTC, datetime, timedelta
@@ -16,7 +18,7 @@ from fleetkit import AGENT, Backend, Fleet, lane_defaults
 
 from worker.config import FleetConfig, ProfileConfig, load_config
 from worker.errors import ConfigError, InvalidInput, InvalidState
-from worker.shift.dispatch import classify_gate, resolve
+from worker.shift.dispatch import classify_gate, resolve, resolved
 from worker.shift.limits import reset_time, usage_limit
 
 TIERS = ["mechanical", "mid", "strong"]
@@ -408,3 +410,40 @@ def test_a_slow_gate_times_out_as_automation_broken(dispatch_fleet, tmp_path: Pa
     row = fleet.task(task)
     assert (row["state"], row["block_reason"]) == ("blocked", "automation-broken")
     assert "timed out" in row["last_error"]
+
+
+# ------------------------------------------------------------------------------------------------
+# agents: the adapter of each dispatch
+
+
+def test_each_dispatch_names_its_agent_and_an_agent_without_a_command_runs_its_default() -> None:
+    cfg = FleetConfig.model_validate({
+        "profiles": {"cx": {"agent": "codex", "model": "gpt-5"},
+                     "cl": {"command": ["/opt/bin/claude", "-p", "--model", "{model}"], "model": "claude-sonnet-4-5"}},
+        "lanes": {"a": {"profile": "cx"}, "b": {"profile": "cl"}, "c": {"command": ["python", "x.py"]},
+                  "d": {"agent": "gemini"}},
+    })
+    data = resolved(cfg)
+    cx = next(p for p in data["profiles"] if p["name"] == "cx")
+    assert cx["agent"] == "codex" and cx["command"][:2] == ["codex", "exec"] and "resume" in cx["resume"]
+    assert [d["agent"] for lane in "abcd" for d in data["lanes"][lane]] == ["codex", "claude", "generic", "gemini"]
+    fresh = resolve(cfg, "a", None, None).argv({"model": "gpt-5", "agent_session": ""})
+    again = resolve(cfg, "a", None, None).argv({"model": "gpt-5", "agent_session": "T-1"})
+    assert fresh[-1] == "-" and "resume" not in fresh and again[-3:] == ["resume", "T-1", "-"]
+    # no model configured: the agent's own default, no `--model ""`
+    assert "--model" not in resolve(cfg, "d", None, None).argv({"model": "", "agent_session": ""})
+
+
+@pytest.mark.parametrize(("toml", "says"), [
+    ('[profiles.p]\nagent = "cursor"\n[lanes.w]\nprofile = "p"\n', "profiles.p.agent: unknown agent 'cursor'"),
+    ('[lanes.w]\nagent = "generic"\n', "lanes.w: agent 'generic' has no default command"),
+    ('[profiles.p]\nagent = "codex"\n[lanes.w]\nprofile = "p"\nagent = "claude"\n',
+     "lanes.w.agent: the lane runs profile 'p'"),
+    ('[lanes.w]\nagent = "Claude Code"\n', "is not an agent name"),
+])
+def test_a_bad_agent_is_one_line_naming_the_field(tmp_path: Path, toml: str, says: str) -> None:
+    (tmp_path / "fleet.toml").write_text(toml)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_")}
+    out = subprocess.run([sys.executable, "-m", "monitor.cli", "profiles"], cwd=tmp_path, capture_output=True,
+                         text=True, env={**env, "FLEET_CONFIG": str(tmp_path / "fleet.toml")}, timeout=60)
+    assert out.returncode == 1 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
