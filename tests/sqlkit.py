@@ -237,6 +237,22 @@ def route(conn: psycopg.Connection, task_id: int, token: Any, lane: str | None, 
     return one(conn, "select fleet.route(%s, %s, %s, %s)", (task_id, token, lane, None if note is None else Jsonb(note)))
 
 
+def throttle(conn: psycopg.Connection, task_id: int, token: Any, until: Any = None, note: str | None = None,
+             after_seconds: float | None = None, signal: Any = None) -> datetime:
+    """fleet.throttle: the reset it answers."""
+    return one(conn, "select fleet.throttle(%s, %s, %s, %s, %s, %s)",
+               (task_id, token, until, note, after_seconds, None if signal is None else Jsonb(signal)))
+
+
+def transient(conn: psycopg.Connection, task_id: int, token: Any, error: str = "overloaded",
+              after_seconds: float | None = None) -> str:
+    return one(conn, "select fleet.transient(%s, %s, %s, %s)", (task_id, token, error, after_seconds))
+
+
+def drop_session(conn: psycopg.Connection, task_id: int, token: Any, note: str | None = "no such session") -> str:
+    return one(conn, "select fleet.drop_session(%s, %s, %s)", (task_id, token, note))
+
+
 def record_run(conn: psycopg.Connection, token: Any, report: Any) -> None:
     conn.execute("select fleet.record_run(%s, %s)", (token, None if report is None else Jsonb(report)))
 

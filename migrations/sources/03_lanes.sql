@@ -112,7 +112,10 @@ $$;
 revoke all on function fleet.sync_pool(text,integer) from public;
 grant execute on function fleet.sync_pool(text,integer) to service_role;
 
-create or replace function fleet.sync_profile(p_name text, p_pool text, p_models jsonb)
+-- p_throttle_floor: the shortest pause a usage limit of a run under this profile gets
+-- (fleet.throttle), in seconds.
+create or replace function fleet.sync_profile(p_name text, p_pool text, p_models jsonb,
+                                              p_throttle_floor double precision default 60)
 returns text
 language plpgsql
 security definer
@@ -120,6 +123,7 @@ set search_path = pg_catalog, fleet, pg_temp
 as $$
 declare
     v_old fleet.profiles;
+    v_floor double precision := coalesce(p_throttle_floor, 60);
 begin
     if p_name is null or p_name !~ '^[a-z0-9][a-z0-9_-]{0,62}$' then
         perform fleet._raise('LF005', format('%L is not a profile name', p_name),
@@ -128,28 +132,35 @@ begin
     if p_models is null or jsonb_typeof(p_models) <> 'object' then
         perform fleet._raise('LF005', format('profile %s: models must be a JSON object (tier -> model)', p_name));
     end if;
+    -- not (… and …): a NaN compares greater than every number, infinity included
+    if not (v_floor >= 0 and v_floor < 'infinity') then
+        perform fleet._raise('LF005', format('profile %s: throttle_floor must be 0 seconds or more, not %s',
+                                             p_name, v_floor));
+    end if;
     if p_pool is not null and not exists (select 1 from fleet.pools where name = p_pool) then
         perform fleet._raise('LF005', format('profile %s draws from unknown pool %L', p_name, p_pool),
             'sync the pool first');
     end if;
     select * into v_old from fleet.profiles where name = p_name for no key update;
     if not found then
-        insert into fleet.profiles (name, pool, models) values (p_name, p_pool, p_models);
+        insert into fleet.profiles (name, pool, models, throttle_floor_seconds) values (p_name, p_pool, p_models, v_floor);
         perform fleet._event('profile_created', null, null, null,
-            jsonb_build_object('profile', p_name, 'pool', p_pool, 'models', p_models));
+            jsonb_build_object('profile', p_name, 'pool', p_pool, 'models', p_models, 'throttle_floor_seconds', v_floor));
         return 'created';
     end if;
-    if (v_old.pool, v_old.models) is not distinct from (p_pool, p_models) then
+    if (v_old.pool, v_old.models, v_old.throttle_floor_seconds) is not distinct from (p_pool, p_models, v_floor) then
         return 'unchanged';
     end if;
-    update fleet.profiles set pool = p_pool, models = p_models, updated_at = now() where name = p_name;
+    update fleet.profiles
+       set pool = p_pool, models = p_models, throttle_floor_seconds = v_floor, updated_at = now()
+     where name = p_name;
     perform fleet._event('profile_updated', null, null, null,
-        jsonb_build_object('profile', p_name, 'pool', p_pool, 'models', p_models));
+        jsonb_build_object('profile', p_name, 'pool', p_pool, 'models', p_models, 'throttle_floor_seconds', v_floor));
     return 'updated';
 end
 $$;
-revoke all on function fleet.sync_profile(text,text,jsonb) from public;
-grant execute on function fleet.sync_profile(text,text,jsonb) to service_role;
+revoke all on function fleet.sync_profile(text,text,jsonb,double precision) from public;
+grant execute on function fleet.sync_profile(text,text,jsonb,double precision) to service_role;
 
 -- The lane's tiers, lowest first (empty: the lane has none).
 create or replace function fleet._tiers(l fleet.lanes)

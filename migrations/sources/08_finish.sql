@@ -1,4 +1,5 @@
--- How a run ends: done, failed, handed off, routed, blocked, throttled; and its run record.
+-- How a run ends: done, failed, handed off, routed, blocked, throttled, a transient provider error,
+-- a dropped agent session; and its run record.
 --
 -- The one hand-edited definition of each function and view below. A change here needs a
 -- migration made from it: `uv run python -m worker.dev.sqlsources new <name>` (see README).
@@ -219,6 +220,12 @@ begin
            handoffs = handoffs + 1,
            handoff = coalesce(p_snapshot, '{}'),
            agent_session = coalesce(p_snapshot ->> 'agent_session', agent_session),
+           -- a session the snapshot names lives on this shift's host, under this run's profile
+           agent_session_host = case when p_snapshot ->> 'agent_session' is not null
+                                     then (select s.host from fleet.sessions s where s.id = t.session_id)
+                                     else agent_session_host end,
+           agent_session_profile = case when p_snapshot ->> 'agent_session' is not null then t.run_profile
+                                        else agent_session_profile end,
            carry_over = (v_state = 'queued'),
            run_at = now(),
            dead_reason = case when v_state = 'dead' then 'handoff-cap' end,
@@ -259,12 +266,13 @@ begin
     update fleet.tasks
        set stages = stages || jsonb_build_array(jsonb_build_object(
                'lane', t.lane, 'attempts', t.attempts, 'failures', t.failures,
-               'evaporations', t.evaporations, 'handoffs', t.handoffs,
+               'evaporations', t.evaporations, 'handoffs', t.handoffs, 'transients', t.transients,
                'agent_session', t.agent_session, 'checkpoint', t.checkpoint,
                'note', p_note, 'routed_to', p_lane, 'finished_at', now())),
            lane = p_lane, state = 'queued', run_at = now(), carry_over = false,
-           attempts = 0, failures = 0, evaporations = 0, handoffs = 0,
-           checkpoint = null, checkpoint_seq = 0, agent_session = null, handoff = null,
+           attempts = 0, failures = 0, evaporations = 0, handoffs = 0, transients = 0,
+           checkpoint = null, checkpoint_seq = 0, handoff = null,
+           agent_session = null, agent_session_host = null, agent_session_profile = null,
            last_error = null, updated_at = now(),
            lease_token = null, lease_expires_at = null, session_id = null
      where id = p_task;
@@ -308,10 +316,14 @@ grant execute on function fleet.block(bigint,uuid,text,text) to fleet_worker, se
 
 -- The run hit its pool's usage or rate limit. The pool takes no claims until the reset: p_until
 -- (a time the message named), else now() + p_after_seconds (a delay it named, or the profile's
--- backoff), else 15 minutes from now. The task goes back to the queue, first of its priority once
--- the reset has come, with its agent session kept, and no failure counted. Returns the reset.
+-- backoff), else 15 minutes from now; never sooner than now() + the floor (the task's run
+-- profile's throttle_floor_seconds, else 60 s), so a reset read in the past or a zero delay cannot
+-- make a hot loop. The task goes back to the queue, first of its priority once the reset has come,
+-- with its agent session kept, and no failure counted. p_signal: what matched ({"signal", "text",
+-- "reset": the reset as read}), kept in the event. Returns the reset.
 create or replace function fleet.throttle(p_task bigint, p_token uuid, p_until timestamptz default null,
-                                          p_note text default null, p_after_seconds double precision default null)
+                                          p_note text default null, p_after_seconds double precision default null,
+                                          p_signal jsonb default null)
 returns timestamptz
 language plpgsql
 security definer
@@ -319,14 +331,21 @@ set search_path = pg_catalog, fleet, pg_temp
 as $$
 declare
     t fleet.tasks;
+    v_floor double precision;
     v_until timestamptz;
 begin
     if p_after_seconds is not null and (p_after_seconds < 0 or p_after_seconds > 30 * 86400) then
         perform fleet._raise('LF005', format('a throttle delay must be 0 to 30 days, not %s s', p_after_seconds));
     end if;
+    if p_signal is not null and jsonb_typeof(p_signal) <> 'object' then
+        perform fleet._raise('LF005', format('a throttle signal must be a JSON object, not %s', left(p_signal::text, 200)),
+            '{"signal": ..., "text": ..., "reset": ...}');
+    end if;
     t := fleet._fenced(p_task, p_token);
+    v_floor := coalesce((select pf.throttle_floor_seconds from fleet.profiles pf where pf.name = t.run_profile), 60);
     v_until := greatest(coalesce(p_until, now() + make_interval(secs => p_after_seconds),
-                                 now() + interval '15 minutes'), now());
+                                 now() + interval '15 minutes'),
+                        now() + make_interval(secs => v_floor));
     if t.pool is not null then
         update fleet.pools
            set throttled_until = greatest(coalesce(throttled_until, v_until), v_until),
@@ -341,12 +360,101 @@ begin
     perform fleet._end_run(p_token, 'throttled', p_note);
     perform fleet._event('throttled', t.lane, p_task, t.session_id,
         jsonb_strip_nulls(jsonb_build_object('attempt', t.attempts, 'pool', t.pool, 'profile', t.run_profile,
-                                             'until', v_until, 'note', left(p_note, 1000))));
+                                             'until', v_until, 'note', left(p_note, 1000),
+                                             'signal', p_signal ->> 'signal',
+                                             'text', left(p_signal ->> 'text', 1000),
+                                             'reset_read', p_signal ->> 'reset')));
     return v_until;
 end
 $$;
-revoke all on function fleet.throttle(bigint,uuid,timestamp with time zone,text,double precision) from public;
-grant execute on function fleet.throttle(bigint,uuid,timestamp with time zone,text,double precision) to fleet_worker, service_role;
+revoke all on function fleet.throttle(bigint,uuid,timestamp with time zone,text,double precision,jsonb) from public;
+grant execute on function fleet.throttle(bigint,uuid,timestamp with time zone,text,double precision,jsonb) to fleet_worker, service_role;
+
+-- A provider-side error (overloaded, a 5xx, a connection reset) that says nothing about the work.
+-- The task goes back to the queue with its agent session kept and no failure counted, after
+-- p_after_seconds (a delay the provider named, 0 to 86400) or the lane's backoff
+-- (backoff_base_seconds * 2^transients, at most backoff_max_seconds, at least 5 s); transients
+-- counts these. The one past the lane's max_transient (config, default 10) counts as a failure:
+-- fleet.fail with reason transient, whose backoff and attempt cap apply, and its answer is
+-- returned. Returns queued, or what fleet.fail returns (queued | dead).
+create or replace function fleet.transient(p_task bigint, p_token uuid, p_error text,
+                                           p_after_seconds double precision default null)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    t fleet.tasks;
+    l fleet.lanes;
+    v_max int;
+    v_delay double precision;
+    v_until timestamptz;
+begin
+    -- not (… and …): a NaN compares greater than every number, so it fails the upper bound
+    if p_after_seconds is not null and not (p_after_seconds >= 0 and p_after_seconds <= 86400) then
+        perform fleet._raise('LF005',
+            format('a transient retry delay must be 0 to 86400 s, not %s s', p_after_seconds));
+    end if;
+    t := fleet._fenced(p_task, p_token);
+    select * into l from fleet.lanes where name = t.lane;
+    v_max := case when jsonb_typeof(l.config -> 'max_transient') = 'number'
+                  then (l.config ->> 'max_transient')::numeric::int else 10 end;
+    if t.transients + 1 > v_max then
+        return fleet.fail(p_task, p_token, p_error, true, 'transient');
+    end if;
+    v_delay := coalesce(p_after_seconds,
+                        greatest(5, least(l.backoff_max_seconds::double precision,
+                                          l.backoff_base_seconds * power(2::double precision, least(t.transients, 30)))));
+    v_until := now() + make_interval(secs => v_delay);
+    update fleet.tasks
+       set state = 'queued', transients = transients + 1, run_at = v_until, carry_over = true,
+           updated_at = now(),
+           lease_token = null, lease_expires_at = null, session_id = null
+     where id = p_task;
+    update fleet.runs set reason = 'transient' where lease_token = p_token;
+    perform fleet._end_run(p_token, 'transient', p_error);
+    perform fleet._event('transient', t.lane, p_task, t.session_id,
+        jsonb_build_object('attempt', t.attempts, 'error', left(p_error, 1000), 'transients', t.transients + 1,
+                           'max_transient', v_max, 'retry_at', v_until, 'pool', t.pool));
+    return 'queued';
+end
+$$;
+revoke all on function fleet.transient(bigint,uuid,text,double precision) from public;
+grant execute on function fleet.transient(bigint,uuid,text,double precision) to fleet_worker, service_role;
+
+-- The agent answered that the session it was told to resume does not exist. The task forgets its
+-- agent session (and where it lived) and goes back to the queue at once, carried over, with no
+-- failure counted and no attempt spent but the claim's. Refused (LF005, nothing changed) when the
+-- task has no agent session: a fresh start cannot drop one, so this never loops.
+create or replace function fleet.drop_session(p_task bigint, p_token uuid, p_note text)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    t fleet.tasks;
+begin
+    t := fleet._fenced(p_task, p_token);
+    if t.agent_session is null then
+        perform fleet._raise('LF005', format('task %s has no agent session: nothing to drop', p_task),
+            'a run without an agent session to resume is an ordinary failure (fleet.fail)');
+    end if;
+    update fleet.tasks
+       set state = 'queued', run_at = now(), carry_over = true,
+           agent_session = null, agent_session_host = null, agent_session_profile = null,
+           updated_at = now(),
+           lease_token = null, lease_expires_at = null, session_id = null
+     where id = p_task;
+    perform fleet._end_run(p_token, 'session_dropped', p_note);
+    perform fleet._event('session_dropped', t.lane, p_task, t.session_id,
+        jsonb_build_object('attempt', t.attempts, 'agent_session', t.agent_session, 'note', left(p_note, 1000)));
+    return 'queued';
+end
+$$;
+revoke all on function fleet.drop_session(bigint,uuid,text) from public;
+grant execute on function fleet.drop_session(bigint,uuid,text) to fleet_worker, service_role;
 
 create or replace function fleet.record_run(p_token uuid, p_report jsonb)
 returns void
@@ -375,28 +483,36 @@ begin
            set exit_code = coalesce((p_report ->> 'exit_code')::int, exit_code),
                tier = coalesce(p_report ->> 'tier', tier),
                model = coalesce(p_report ->> 'model', model),
+               agent = coalesce(p_report ->> 'agent', agent),
                gate = coalesce(p_report ->> 'gate', gate),
                agent_session = coalesce(p_report ->> 'agent_session', agent_session),
                input_tokens = coalesce((p_report ->> 'input_tokens')::bigint, input_tokens),
                cache_creation_tokens = coalesce((p_report ->> 'cache_creation_tokens')::bigint, cache_creation_tokens),
                cache_read_tokens = coalesce((p_report ->> 'cache_read_tokens')::bigint, cache_read_tokens),
                output_tokens = coalesce((p_report ->> 'output_tokens')::bigint, output_tokens),
+               reasoning_tokens = coalesce((p_report ->> 'reasoning_tokens')::bigint, reasoning_tokens),
                cost_usd = coalesce((p_report ->> 'cost_usd')::numeric, cost_usd),
+               cost_source = coalesce(p_report ->> 'cost_source', cost_source),
                log_path = coalesce(p_report ->> 'log_path', log_path),
                error_tail = coalesce(left(p_report ->> 'error_tail', 4000), error_tail)
          where lease_token = p_token
         returning * into r;
     exception when data_exception or check_violation then
-        -- a count that is negative, fractional, not a number or too large
+        -- a count that is negative, fractional, not a number or too large; an unknown cost_source
         perform fleet._raise('LF005', format('a run report has a malformed value: %s', sqlerrm),
-            'token counts are non-negative integers, cost_usd a non-negative number, exit_code an integer');
+            'token counts are non-negative integers, cost_usd a non-negative number, exit_code an integer, '
+            'cost_source reported or computed');
     end;
-    -- the agent's own session id, for the next attempt to resume, unless a later run took over
-    -- or the task was routed on since (the next lane's stage starts without an agent session;
+    -- the agent's own session id, for the next attempt to resume, and where it lives (the host of
+    -- the run's shift, the run's profile: it can be resumed only there), unless a later run took
+    -- over or the task was routed on since (the next lane's stage starts without an agent session;
     -- the run row keeps it)
     if p_report ? 'agent_session' then
         update fleet.tasks t
-           set agent_session = p_report ->> 'agent_session'
+           set agent_session = p_report ->> 'agent_session',
+               agent_session_host = case when p_report ->> 'agent_session' is not null
+                                         then (select s.host from fleet.sessions s where s.id = r.session_id) end,
+               agent_session_profile = case when p_report ->> 'agent_session' is not null then r.profile end
          where t.id = r.task_id
            and t.lane = r.lane
            and not exists (select 1 from fleet.runs later where later.task_id = r.task_id and later.id > r.id);

@@ -51,7 +51,7 @@ begin
     end if;
     -- a fresh cap: the operator has decided it deserves more tries
     update fleet.tasks
-       set state = 'queued', run_at = now(), failures = 0, evaporations = 0, handoffs = 0,
+       set state = 'queued', run_at = now(), failures = 0, evaporations = 0, handoffs = 0, transients = 0,
            dead_reason = null, block_reason = null, verify_pending = false,
            finished_at = null, carry_over = false, updated_at = now()
      where id = p_task;

@@ -627,7 +627,13 @@ begin
                cost_usd = cost_usd + coalesce((u ->> 'cost_usd')::numeric, 0)
          where batch_id = m.batch_id and n = m.n;
         if u ? 'agent_session' then  -- for an evicted member's next attempt, as record_run does
-            update fleet.tasks set agent_session = u ->> 'agent_session' where id = m.task_id;
+            update fleet.tasks
+               set agent_session = u ->> 'agent_session',
+                   agent_session_host = case when u ->> 'agent_session' is not null
+                                             then (select s.host from fleet.sessions s where s.id = c.session_id) end,
+                   agent_session_profile = case when u ->> 'agent_session' is not null
+                                                then coalesce(b.profile, c.run_profile) end
+             where id = m.task_id;
         end if;
     elsif v_run is not null then
         update fleet.runs

@@ -459,12 +459,15 @@ select pl.name as pool,
        (select count(*) from fleet.events e
          where e.kind = 'claimed' and e.ts >= date_trunc('day', now())
            and e.detail ->> 'pool' = pl.name and (e.detail ->> 'spilled')::boolean) as spillovers_today,
-       (select string_agg(pf.name, ', ' order by pf.name) from fleet.profiles pf where pf.pool = pl.name) as profiles
+       (select string_agg(pf.name, ', ' order by pf.name) from fleet.profiles pf where pf.pool = pl.name) as profiles,
+       (select count(*) from fleet.events e
+         where e.kind = 'transient' and e.ts >= date_trunc('day', now())
+           and e.detail ->> 'pool' = pl.name) as transients_today
   from fleet.pools pl;
 comment on view fleet.pool_overview is
-    'One row per capacity pool: slots, in use, throttled until (a usage limit), throttles and '
+    'One row per capacity pool: slots, in use, throttled until (a usage limit), throttles, '
     'spill-overs (claims that came to this pool because the lane''s first choice was throttled or '
-    'full) since midnight UTC.';
+    'full) and transient provider errors since midnight UTC.';
 comment on column fleet.pool_overview.pool is 'the capacity pool';
 comment on column fleet.pool_overview.slots is 'agents at once across the fleet (NULL: unlimited)';
 comment on column fleet.pool_overview.in_use is 'running tasks drawing from the pool';
@@ -473,11 +476,15 @@ comment on column fleet.pool_overview.throttle_note is 'the message that throttl
 comment on column fleet.pool_overview.throttles_today is 'usage limits hit since midnight UTC';
 comment on column fleet.pool_overview.spillovers_today is 'claims since midnight UTC that came here because the lane''s first pool was throttled or full';
 comment on column fleet.pool_overview.profiles is 'the profiles drawing from the pool';
+comment on column fleet.pool_overview.transients_today is
+    'transient provider errors (overloaded, 5xx, connection reset) retried since midnight UTC; '
+    'neither failures nor throttles';
 grant select on fleet.pool_overview to fleet_operator;
 grant all on fleet.pool_overview to service_role;
 
 -- Per pool and UTC day: how the runs that drew from it ended. accept_rate = done / (done + failed
--- + blocked); hand-offs, throttles and lost runs say nothing about the work and are not counted.
+-- + blocked); hand-offs, throttles, transient provider errors and lost runs say nothing about the
+-- work and are not counted.
 create or replace view fleet.pool_accept_rate as
 select r.pool,
        date_trunc('day', r.started_at) as day,
@@ -488,7 +495,8 @@ select r.pool,
        count(*) filter (where r.outcome = 'throttled') as throttled,
        round(count(*) filter (where r.outcome = 'done')::numeric
              / nullif(count(*) filter (where r.outcome in ('done', 'failed', 'dead', 'blocked')), 0), 3)
-           as accept_rate
+           as accept_rate,
+       count(*) filter (where r.outcome = 'transient') as transient
   from fleet.runs r
  where r.pool is not null and r.started_at >= now() - interval '30 days'
  group by r.pool, date_trunc('day', r.started_at);
@@ -502,6 +510,8 @@ comment on column fleet.pool_accept_rate.failed is 'runs that failed (or went to
 comment on column fleet.pool_accept_rate.blocked is 'runs whose task was blocked (gate could not judge, budget)';
 comment on column fleet.pool_accept_rate.throttled is 'runs that hit a usage limit';
 comment on column fleet.pool_accept_rate.accept_rate is 'done / (done + failed + blocked)';
+comment on column fleet.pool_accept_rate.transient is
+    'runs ended by a transient provider error (overloaded, 5xx, connection reset), retried without a failure';
 grant select on fleet.pool_accept_rate to fleet_operator;
 grant all on fleet.pool_accept_rate to service_role;
 

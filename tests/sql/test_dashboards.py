@@ -7,7 +7,7 @@ which must agree. Last, every view and column is documented, and a plan test at 
 asserts that the time windows are read through indexes — by the views themselves and by the named
 queries the dashboards send (monitor/dashboards/queries.sql, read with the dashboards' own loader).
 (The pool, review, blocked and attention views through real shifts: tests/test_dispatch.py,
-tests/test_guardrails.py.)
+tests/test_guardrails.py; here, that the pool views count transient provider errors apart.)
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from sqlkit import (
     set_run,
     sync_lane,
     take,
+    throttle,
+    transient,
     utc_hour,
     view,
 )
@@ -503,6 +505,32 @@ def test_usage_by_lane_day_sums_model_usage_per_utc_day(conn: psycopg.Connection
     assert got() == want
     forget_roll_up(conn)
     assert got() == want
+
+
+# ------------------------------------------------------------------------------------------------
+# pool_overview and pool_accept_rate: failures, throttles and transient errors apart
+
+
+def test_pool_views_count_failures_throttles_and_transient_errors_apart(conn: psycopg.Connection) -> None:
+    one(conn, "select fleet.sync_pool('pool', null)")
+    one(conn, "select fleet.sync_profile('prof', 'pool', '{}')")
+    sync_lane(conn, "a", max_attempts=5, config={"profile": "prof", "max_transient": 1})
+    s = open_session(conn, "a")
+    done, failed, throttled, flaky = (enqueue(conn, "a") for _ in range(4))
+    complete(conn, done, take(conn, s, done)["lease_token"])
+    fail(conn, failed, take(conn, s, failed)["lease_token"])
+    throttle(conn, throttled, take(conn, s, throttled)["lease_token"], after_seconds=0)
+    conn.execute("update fleet.pools set throttled_until = null")
+    assert transient(conn, flaky, take(conn, s, flaky)["lease_token"]) == "queued"
+    # past max_transient: a failure, counted as one (and not as a transient error)
+    assert transient(conn, flaky, take(conn, s, flaky)["lease_token"]) == "queued"
+
+    [pool] = view(conn, "pool_overview")
+    assert pick(pool, "throttles_today", "transients_today") == {"throttles_today": 1, "transients_today": 1}
+    [rate] = view(conn, "pool_accept_rate")
+    assert pick(rate, "runs", "done", "failed", "blocked", "throttled", "transient", "accept_rate") == {
+        "runs": 5, "done": 1, "failed": 2, "blocked": 0, "throttled": 1, "transient": 1,
+        "accept_rate": Decimal("0.333")}
 
 
 # ------------------------------------------------------------------------------------------------

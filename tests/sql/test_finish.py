@@ -1,8 +1,9 @@
 """The finish group (migrations/sources/08_finish.sql): how a run ends — fleet.complete,
-fleet.complete_many, fleet.fail, fleet.hand_off, fleet.route — and its run record, fleet.record_run;
-called over psycopg against a real, freshly migrated PostgreSQL. Every transition, every refusal,
-the events row each transition writes, and the races a finishing call must win or lose cleanly.
-(fleet.block and fleet.throttle are exercised through real shifts: tests/test_dispatch.py,
+fleet.complete_many, fleet.fail, fleet.hand_off, fleet.route, fleet.transient, fleet.drop_session,
+fleet.throttle's floor and signal — and its run record, fleet.record_run; called over psycopg
+against a real, freshly migrated PostgreSQL. Every transition, every refusal, the events row each
+transition writes, and the races a finishing call must win or lose cleanly. (fleet.block and
+fleet.throttle are also exercised through real shifts: tests/test_dispatch.py,
 tests/test_guardrails.py; the fence of these calls: tests/sql/test_lease.py.)
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -27,6 +29,7 @@ from sqlkit import (
     claim_one,
     complete,
     complete_many,
+    drop_session,
     enqueue,
     fail,
     hand_off,
@@ -44,6 +47,8 @@ from sqlkit import (
     runs,
     seconds_between,
     task,
+    throttle,
+    transient,
     wait_until_waiting,
     world,
 )
@@ -676,6 +681,10 @@ def test_record_run_refusals(conn, lane, session):
         {"exit_code": 1.5},
         {"exit_code": "zero"},
         {"cache_read_tokens": 1e30},
+        {"reasoning_tokens": -1},
+        {"reasoning_tokens": 2.5},
+        {"reasoning_tokens": "lots"},
+        {"cost_source": "guessed"},
     ],
 )
 def test_record_run_malformed_numbers_are_invalid_arguments(conn, lane, session, report):
@@ -685,6 +694,83 @@ def test_record_run_malformed_numbers_are_invalid_arguments(conn, lane, session,
     with refused(INVALID_ARGUMENT):
         record_run(conn, t["lease_token"], report | {"agent_session": "x"})
     assert world(conn) == before
+
+
+def test_record_run_records_the_agent_its_reasoning_tokens_and_where_the_cost_came_from(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    record_run(conn, t["lease_token"], {"agent": "codex", "input_tokens": 10, "output_tokens": 5,
+                                        "reasoning_tokens": 3, "cost_usd": 0.25, "cost_source": "computed"})
+    [run] = runs(conn, task_id)
+    assert (run["agent"], run["reasoning_tokens"], run["cost_source"]) == ("codex", 3, "computed")
+    # reasoning tokens are part of the output tokens: never added to a total
+    assert one(conn, "select tokens from fleet.task_spend(%s)", (task_id,)) == 15
+    record_run(conn, t["lease_token"], {"input_tokens": 11})  # a partial report keeps them
+    [run] = runs(conn, task_id)
+    assert (run["agent"], run["reasoning_tokens"], run["cost_source"]) == ("codex", 3, "computed")
+    record_run(conn, t["lease_token"], {"cost_source": "reported"})
+    assert runs(conn, task_id)[0]["cost_source"] == "reported"
+
+
+def _profile_lane(conn: psycopg.Connection, floor: float | None = None) -> str:
+    """Lane ``p`` whose tasks run under profile ``prof`` of pool ``pool`` (``floor``: its throttle floor)."""
+    one(conn, "select fleet.sync_pool('pool', null)")
+    if floor is None:
+        one(conn, "select fleet.sync_profile('prof', 'pool', '{}')")
+    else:
+        one(conn, "select fleet.sync_profile('prof', 'pool', '{}', %s)", (floor,))
+    return add_lane(conn, "p", config={"profile": "prof"})
+
+
+def test_record_run_says_where_the_agent_session_lives(conn):
+    lane = _profile_lane(conn)
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, open_session(conn, lane, host="host-7"))
+    assert (t["agent_session_host"], t["agent_session_profile"]) == (None, None)
+    record_run(conn, t["lease_token"], {"input_tokens": 1})
+    assert task(conn, task_id)["agent_session_host"] is None, "no agent session, no place"
+    record_run(conn, t["lease_token"], {"agent_session": "ag-1"})
+    after = task(conn, task_id)
+    assert (after["agent_session"], after["agent_session_host"], after["agent_session_profile"]) == (
+        "ag-1", "host-7", "prof")
+    # the next claim's rows carry them, wherever it runs
+    release(conn, task_id)
+    again = claim_one(conn, open_session(conn, lane, host="host-8"))
+    assert (again["agent_session"], again["agent_session_host"], again["agent_session_profile"]) == (
+        "ag-1", "host-7", "prof")
+    # an agent session reported as null says it lives nowhere
+    record_run(conn, again["lease_token"], {"agent_session": None})
+    after = task(conn, task_id)
+    assert (after["agent_session"], after["agent_session_host"], after["agent_session_profile"]) == (None, None, None)
+
+
+def test_a_hand_off_naming_an_agent_session_says_where_it_lives(conn):
+    lane = _profile_lane(conn)
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, open_session(conn, lane, host="host-3"))
+    hand_off(conn, task_id, t["lease_token"], {"agent_session": "ag-3"})
+    after = task(conn, task_id)
+    assert (after["agent_session"], after["agent_session_host"], after["agent_session_profile"]) == (
+        "ag-3", "host-3", "prof")
+    # a snapshot without one keeps the session and its place
+    t = claim_one(conn, open_session(conn, lane, host="host-4"))
+    hand_off(conn, task_id, t["lease_token"], {})
+    after = task(conn, task_id)
+    assert (after["agent_session"], after["agent_session_host"]) == ("ag-3", "host-3")
+
+
+def test_route_clears_where_the_agent_session_lived_and_the_transients(conn, lane, session):
+    add_lane(conn, "review")
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    record_run(conn, t["lease_token"], {"agent_session": "ag-1"})
+    transient(conn, task_id, t["lease_token"], after_seconds=0)
+    t = claim_one(conn, session)
+    assert route(conn, task_id, t["lease_token"], "review") == "queued"
+    after = task(conn, task_id)
+    assert (after["agent_session"], after["agent_session_host"], after["agent_session_profile"]) == (None, None, None)
+    assert after["transients"] == 0
+    assert after["stages"][0]["transients"] == 1
 
 
 @pytest.mark.parametrize("transition", ["cancel", "release", "complete"])
@@ -792,3 +878,243 @@ def test_a_gate_verdict_with_a_stale_token_changes_nothing(conn, lane, session) 
     with refused("LF001"):
         one(conn, "select fleet.gate_verdict(%s, %s, 'ok', null, null)", (t["id"], uuid.uuid4()))
     assert task(conn, t["id"])["state"] == "running"
+
+
+# ------------------------------------------------------------------------------------------------
+# transient: a provider-side error that says nothing about the work
+
+
+def _ready(conn: psycopg.Connection) -> None:
+    conn.execute("update fleet.tasks set run_at = now() - interval '1 s' where state = 'queued'")
+
+
+def test_transient_requeues_with_backoff_and_counts_no_failure(conn, lane, session):
+    conn.execute("update fleet.lanes set backoff_base_seconds = 10, backoff_max_seconds = 35")
+    task_id = enqueue(conn, lane, "k")
+    delays = []
+    for n in range(1, 5):  # past the lane's max_attempts (3): none of these is a failure
+        _ready(conn)
+        t = claim_one(conn, session)
+        record_run(conn, t["lease_token"], {"agent_session": "ag-1"})
+        assert transient(conn, task_id, t["lease_token"], f"529 overloaded {n}") == "queued"
+        after = task(conn, task_id)
+        assert (after["state"], after["failures"], after["transients"], after["attempts"]) == ("queued", 0, n, n)
+        assert after["carry_over"] is True and after["agent_session"] == "ag-1"
+        assert after["agent_session_host"] == "host-1"
+        assert after["lease_token"] is None and after["session_id"] is None and after["last_error"] is None
+        delays.append(seconds_between(conn, task_id, "run_at", "updated_at"))
+        assert claim(conn, session) == [], "a task in backoff is not claimable"
+        ev = last_event(conn, task_id)
+        assert ev["kind"] == "transient"
+        assert datetime.fromisoformat(ev["detail"].pop("retry_at")) == after["run_at"]
+        assert ev["detail"] == {"attempt": n, "error": f"529 overloaded {n}", "transients": n,
+                                "max_transient": 10, "pool": None}
+    assert delays == [10, 20, 35, 35]  # base * 2^(transients before), capped at backoff_max
+    assert [(r["outcome"], r["reason"], r["error_tail"]) for r in runs(conn, task_id)] == [
+        ("transient", "transient", f"529 overloaded {n}") for n in range(1, 5)]
+    assert "failed" not in kinds(conn, task_id)
+
+
+def test_transient_backoff_is_at_least_five_seconds(conn, lane, session):
+    conn.execute("update fleet.lanes set backoff_base_seconds = 0")
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    transient(conn, task_id, t["lease_token"])
+    assert seconds_between(conn, task_id, "run_at", "updated_at") == 5
+
+
+@pytest.mark.parametrize("after", [0, 2.5, 86400])
+def test_transient_waits_what_the_provider_said(conn, lane, session, after: float):
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    assert transient(conn, task_id, t["lease_token"], "retry-after", after_seconds=after) == "queued"
+    assert seconds_between(conn, task_id, "run_at", "updated_at") == after
+
+
+def test_transient_past_max_transient_is_a_failure_by_fails_rules(conn, lane, session):
+    conn.execute("""update fleet.lanes set config = config || '{"max_transient": 2}'""")
+    task_id = enqueue(conn, lane, "k")  # lane cap: 3 attempts
+    got = []
+    for _ in range(5):
+        _ready(conn)
+        t = claim_one(conn, session)
+        got.append(transient(conn, task_id, t["lease_token"], "overloaded"))
+        after = task(conn, task_id)
+        got.append((after["transients"], after["failures"]))
+    assert got == ["queued", (1, 0), "queued", (2, 0),
+                   "queued", (2, 1), "queued", (2, 2), "dead", (2, 3)]
+    after = task(conn, task_id)
+    assert (after["state"], after["dead_reason"], after["last_error"]) == ("dead", "attempt-cap", "overloaded")
+    assert [(r["outcome"], r["reason"]) for r in runs(conn, task_id)] == [
+        ("transient", "transient")] * 2 + [("failed", "transient")] * 3
+    ev = last_event(conn, task_id)
+    assert ev["kind"] == "failed"
+    assert (ev["detail"]["failure"], ev["detail"]["state"], ev["detail"]["reason"]) == ("transient", "dead", "attempt-cap")
+
+
+def test_transient_with_max_transient_zero_is_a_failure_at_once(conn, lane, session):
+    conn.execute("""update fleet.lanes set config = config || '{"max_transient": 0}'""")
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    assert transient(conn, task_id, t["lease_token"]) == "queued"
+    assert (task(conn, task_id)["failures"], task(conn, task_id)["transients"]) == (1, 0)
+    assert kinds(conn, task_id)[-1] == "failed"
+
+
+@pytest.mark.parametrize("after", [-1, 86400.5, float("nan"), float("inf")])
+def test_transient_refuses_a_bad_delay_and_changes_nothing(conn, lane, session, after: float):
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    before = world(conn)
+    with refused(INVALID_ARGUMENT) as err:
+        transient(conn, task_id, t["lease_token"], after_seconds=after)
+    assert str(after).lower().replace("inf", "infinity") in str(err.value).lower()
+    assert world(conn) == before
+
+
+def test_transient_is_fenced(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    claim_one(conn, session)
+    before = world(conn)
+    with refused(LEASE_LOST):
+        transient(conn, task_id, uuid.uuid4())
+    with refused(UNKNOWN_TASK):
+        transient(conn, task_id + 100, uuid.uuid4())
+    assert world(conn) == before
+
+
+# ------------------------------------------------------------------------------------------------
+# drop_session: the agent session the task was to resume does not exist
+
+
+def test_drop_session_forgets_the_agent_session_and_requeues_at_once(conn):
+    lane = _profile_lane(conn)
+    task_id = enqueue(conn, lane, "k")
+    session = open_session(conn, lane, host="host-5")
+    t = claim_one(conn, session)
+    record_run(conn, t["lease_token"], {"agent_session": "ag-gone"})
+    checkpoint(conn, task_id, t["lease_token"], {"step": 2})
+    assert drop_session(conn, task_id, t["lease_token"], "No conversation found with session ID") == "queued"
+    after = task(conn, task_id)
+    assert (after["agent_session"], after["agent_session_host"], after["agent_session_profile"]) == (None, None, None)
+    assert (after["state"], after["failures"], after["evaporations"], after["attempts"]) == ("queued", 0, 0, 1)
+    assert after["carry_over"] is True and after["checkpoint"] == {"step": 2}
+    assert after["lease_token"] is None and after["session_id"] is None
+    assert one(conn, "select run_at <= now() from fleet.tasks where id = %s", (task_id,))
+    [run] = runs(conn, task_id)
+    assert (run["outcome"], run["agent_session"]) == ("session_dropped", "ag-gone")
+    ev = last_event(conn, task_id)
+    assert (ev["kind"], ev["detail"]) == ("session_dropped", {
+        "attempt": 1, "agent_session": "ag-gone", "note": "No conversation found with session ID"})
+    # the next attempt starts fresh: claimed at once
+    again = claim_one(conn, session)
+    assert (again["id"], again["attempts"], again["agent_session"]) == (task_id, 2, None)
+
+
+def test_drop_session_without_an_agent_session_is_refused_so_it_cannot_loop(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    before = world(conn)
+    with refused(INVALID_ARGUMENT) as err:
+        drop_session(conn, task_id, t["lease_token"])
+    assert "nothing to drop" in str(err.value)
+    assert world(conn) == before
+    assert task(conn, task_id)["state"] == "running"
+
+
+def test_drop_session_is_fenced(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    record_run(conn, t["lease_token"], {"agent_session": "ag-1"})
+    before = world(conn)
+    with refused(LEASE_LOST):
+        drop_session(conn, task_id, uuid.uuid4())
+    assert world(conn) == before
+    assert task(conn, task_id)["agent_session"] == "ag-1"
+
+
+# ------------------------------------------------------------------------------------------------
+# throttle: a floor in the database, and the signal that matched
+
+
+def _throttle_delay(conn: psycopg.Connection, task_id: int) -> float:
+    return seconds_between(conn, task_id, "run_at", "updated_at")
+
+
+def test_throttle_never_queues_sooner_than_the_default_floor(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    record_run(conn, t["lease_token"], {"agent_session": "ag-1"})
+    until = throttle(conn, task_id, t["lease_token"], until=datetime.now().astimezone() - timedelta(hours=1))
+    assert _throttle_delay(conn, task_id) == 60
+    assert until == task(conn, task_id)["run_at"]
+    assert (task(conn, task_id)["agent_session"], task(conn, task_id)["failures"]) == ("ag-1", 0)
+    _ready(conn)
+    t = claim_one(conn, session)
+    throttle(conn, task_id, t["lease_token"], after_seconds=0)
+    assert _throttle_delay(conn, task_id) == 60
+    _ready(conn)
+    t = claim_one(conn, session)
+    throttle(conn, task_id, t["lease_token"], after_seconds=90)  # longer than the floor: as said
+    assert _throttle_delay(conn, task_id) == 90
+    _ready(conn)
+    t = claim_one(conn, session)
+    throttle(conn, task_id, t["lease_token"])  # nothing said: 15 minutes
+    assert _throttle_delay(conn, task_id) == 900
+
+
+def test_throttle_honours_the_profiles_floor_for_the_task_and_its_pool(conn):
+    lane = _profile_lane(conn, floor=300)
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, open_session(conn, lane))
+    assert t["run_profile"] == "prof" and t["pool"] == "pool"
+    until = throttle(conn, task_id, t["lease_token"], after_seconds=10, note="limit")
+    assert _throttle_delay(conn, task_id) == 300
+    assert one(conn, "select throttled_until from fleet.pools where name = 'pool'") == until
+    # a floor of 0 lets a zero delay through
+    one(conn, "select fleet.sync_profile('prof', 'pool', '{}', 0)")
+    conn.execute("update fleet.pools set throttled_until = null")
+    _ready(conn)
+    t = claim_one(conn, open_session(conn, lane))
+    throttle(conn, task_id, t["lease_token"], after_seconds=0)
+    assert _throttle_delay(conn, task_id) == 0
+
+
+def test_throttle_keeps_the_signal_that_matched_in_its_event(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    signal = {"signal": "rate_limit_event", "text": "x" * 1500, "reset": "2026-12-01T15:00:00+00:00"}
+    throttle(conn, task_id, t["lease_token"], note="limit", after_seconds=120, signal=signal)
+    ev = last_event(conn, task_id)
+    assert ev["kind"] == "throttled"
+    assert (ev["detail"]["signal"], ev["detail"]["text"], ev["detail"]["reset_read"]) == (
+        "rate_limit_event", "x" * 1000, "2026-12-01T15:00:00+00:00")
+    _ready(conn)
+    t = claim_one(conn, session)
+    throttle(conn, task_id, t["lease_token"], signal={"signal": "pattern", "text": "usage limit", "reset": None})
+    detail = last_event(conn, task_id)["detail"]
+    assert (detail["signal"], detail["text"]) == ("pattern", "usage limit") and "reset_read" not in detail
+    _ready(conn)
+    t = claim_one(conn, session)
+    before = world(conn)
+    with refused(INVALID_ARGUMENT):
+        throttle(conn, task_id, t["lease_token"], signal=["not", "an", "object"])
+    assert world(conn) == before
+
+
+def test_sync_profile_keeps_the_throttle_floor(conn):
+    one(conn, "select fleet.sync_pool('pool', null)")
+    assert one(conn, "select fleet.sync_profile('prof', 'pool', '{}')") == "created"
+    assert one(conn, "select throttle_floor_seconds from fleet.profiles") == 60
+    assert one(conn, "select fleet.sync_profile('prof', 'pool', '{}', 60)") == "unchanged"
+    assert one(conn, "select fleet.sync_profile('prof', 'pool', '{}', 120)") == "updated"
+    assert one(conn, "select throttle_floor_seconds from fleet.profiles") == 120
+    assert last_event_of(conn, "profile_updated")["throttle_floor_seconds"] == 120
+    for bad in (-1, float("nan"), float("inf")):
+        with refused(INVALID_ARGUMENT):
+            one(conn, "select fleet.sync_profile('prof', 'pool', '{}', %s)", (bad,))
+    assert one(conn, "select throttle_floor_seconds from fleet.profiles") == 120
+
+
+def last_event_of(conn: psycopg.Connection, kind: str) -> dict[str, Any]:
+    return one(conn, "select detail from fleet.events where kind = %s order by id desc limit 1", (kind,))

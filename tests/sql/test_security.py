@@ -45,7 +45,7 @@ API = {"enqueue_task", "enqueue", "enqueue_after", "open_session", "claim", "hea
        "fail", "hand_off", "route", "record_run", "close_session", "cancel", "retry", "sync_lane", "reconcile",
        "declare_session_lost", "schema_versions",
        # dispatch and guard rails and the bulk calls
-       "block", "throttle", "resume", "sync_pool", "sync_profile", "task_spend", "set_task_budget",
+       "block", "throttle", "transient", "drop_session", "resume", "sync_pool", "sync_profile", "task_spend", "set_task_budget",
        "review_approve", "review_reject", "stalled_tasks", "lease_held", "enqueue_many", "complete_many",
        "touch_workspace", "workspaces_to_reap", "workspace_reaped"}
 
@@ -252,6 +252,8 @@ def test_lane_checks_on_this_server(conn: psycopg.Connection, world: dict[str, A
         ("select * from fleet.declare_session_lost(%s, 'x')", (world["session"],)),
         ("select fleet.block(%s, %s, 'budget')", (world["task"], world["token"])),
         ("select fleet.throttle(%s, %s)", (world["task"], world["token"])),
+        ("select fleet.transient(%s, %s, 'overloaded')", (world["task"], world["token"])),
+        ("select fleet.drop_session(%s, %s, 'gone')", (world["task"], world["token"])),
         ("select * from fleet.task_spend(%s)", (world["task"],)),
         ("select * from fleet.complete_many(array[%s]::bigint[], array[%s]::uuid[])", (world["task"], world["token"])),
         ("select * from fleet.enqueue_many('bugfix', '[{\"key\": \"y\"}]')", ()),

@@ -92,6 +92,8 @@ def every_call(w: World) -> dict[str, dict[str, Any]]:
         "complete": {"p_task": w.bug_task, "p_token": w.bug_token, "p_result": None},
         "fail": {"p_task": w.bug_task, "p_token": w.bug_token, "p_error": "x", "p_retryable": True},
         "hand_off": {"p_task": w.bug_task, "p_token": w.bug_token, "p_snapshot": {}},
+        "transient": {"p_task": w.bug_task, "p_token": w.bug_token, "p_error": "overloaded"},
+        "drop_session": {"p_task": w.bug_task, "p_token": w.bug_token, "p_note": "gone"},
         "route": {"p_task": w.bug_task, "p_token": w.bug_token, "p_lane": "docs", "p_note": None},
         "record_run": {"p_token": w.bug_token, "p_report": {"input_tokens": 1}},
         "close_session": {"p_session": w.bug_session, "p_reason": "x", "p_snapshot": {}},
@@ -162,8 +164,8 @@ def test_docs_key_cannot_see_bugfix_rows(world: World) -> None:
 
 
 @pytest.mark.parametrize("fn", ["enqueue", "enqueue_task", "enqueue_after", "open_session", "claim",
-                                "heartbeat", "checkpoint", "complete", "fail", "hand_off", "route",
-                                "record_run", "close_session", "declare_session_lost"])
+                                "heartbeat", "checkpoint", "complete", "fail", "hand_off", "transient",
+                                "drop_session", "route", "record_run", "close_session", "declare_session_lost"])
 def test_docs_key_cannot_touch_bugfix_work(world: World, fn: str) -> None:
     """Each worker call aimed at bugfix is refused with LF008, before anything is written."""
     s = world.stack
@@ -205,6 +207,8 @@ def test_docs_key_refusals_are_lane_forbidden_through_the_store(world: World) ->
             lambda: st.complete(world.bug_task, token, {"ok": True}),
             lambda: st.fail(world.bug_task, token, "no"),
             lambda: st.hand_off(world.bug_task, token, {}),
+            lambda: st.transient(world.bug_task, token, "overloaded"),
+            lambda: st.drop_session(world.bug_task, token, "gone"),
             lambda: st.route(world.bug_task, token, "docs"),
             lambda: st.route(world.docs_task, UUID(world.docs_token), "bugfix"),  # nor route into it
             lambda: st.record_run(token, {"input_tokens": 5}),

@@ -264,11 +264,23 @@ class PostgresStore(NamedReads):
                              (task, token, gate, evidence, _json(result)), idempotent=False))
 
     def throttle(self, task: int, token: UUID, until: datetime | None = None, note: str | None = None,
-                 after_seconds: float | None = None) -> datetime:
-        value = self._one("select fleet.throttle(%s, %s, %s, %s, %s)", (task, token, until, note, after_seconds),
-                          idempotent=False)
+                 after_seconds: float | None = None, signal: dict[str, Any] | None = None) -> datetime:
+        """``signal``: what matched ({"signal", "text", "reset": the reset as read}), for the event.
+        The database keeps the pause at least the profile's throttle floor."""
+        value = self._one("select fleet.throttle(%s, %s, %s, %s, %s, %s)",
+                          (task, token, until, note, after_seconds, _json(signal)), idempotent=False)
         assert isinstance(value, datetime)
         return value
+
+    def transient(self, task: int, token: UUID, error: str, after_seconds: float | None = None) -> str:
+        """A provider-side error that says nothing about the work: queued again without a failure,
+        up to the lane's max_transient (then a failure, as :meth:`fail`). The task's state."""
+        return str(self._one("select fleet.transient(%s, %s, %s, %s)", (task, token, error, after_seconds),
+                             idempotent=False))
+
+    def drop_session(self, task: int, token: UUID, note: str | None) -> str:
+        """The agent session the task was to resume does not exist: queued again without it."""
+        return str(self._one("select fleet.drop_session(%s, %s, %s)", (task, token, note), idempotent=False))
 
     def resume(self, task: int) -> str:
         return str(self._one("select fleet.resume(%s)", (task,), idempotent=False))
@@ -288,8 +300,10 @@ class PostgresStore(NamedReads):
     def sync_pool(self, name: str, slots: int | None) -> str:
         return str(self._one("select fleet.sync_pool(%s, %s)", (name, slots)))
 
-    def sync_profile(self, name: str, pool: str | None, models: dict[str, str]) -> str:
-        return str(self._one("select fleet.sync_profile(%s, %s, %s)", (name, pool, _json(models))))
+    def sync_profile(self, name: str, pool: str | None, models: dict[str, str],
+                     throttle_floor: float = 60.0) -> str:
+        return str(self._one("select fleet.sync_profile(%s, %s, %s, %s)",
+                             (name, pool, _json(models), throttle_floor)))
 
     def hand_off(self, task: int, token: UUID, snapshot: dict[str, Any]) -> str:
         return str(self._one("select fleet.hand_off(%s, %s, %s)", (task, token, _json(snapshot)),

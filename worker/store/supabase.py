@@ -296,11 +296,19 @@ class SupabaseStore(NamedReads):
                                               "p_evidence": evidence, "p_result": result}, idempotent=False))
 
     def throttle(self, task: int, token: UUID, until: datetime | None = None, note: str | None = None,
-                 after_seconds: float | None = None) -> datetime:
+                 after_seconds: float | None = None, signal: dict[str, Any] | None = None) -> datetime:
         value = self._rpc("throttle", {"p_task": task, "p_token": str(token),
                                        "p_until": until.isoformat() if until else None, "p_note": note,
-                                       "p_after_seconds": after_seconds}, idempotent=False)
+                                       "p_after_seconds": after_seconds, "p_signal": signal}, idempotent=False)
         return datetime.fromisoformat(str(value))
+
+    def transient(self, task: int, token: UUID, error: str, after_seconds: float | None = None) -> str:
+        return str(self._rpc("transient", {"p_task": task, "p_token": str(token), "p_error": error,
+                                           "p_after_seconds": after_seconds}, idempotent=False))
+
+    def drop_session(self, task: int, token: UUID, note: str | None) -> str:
+        return str(self._rpc("drop_session", {"p_task": task, "p_token": str(token), "p_note": note},
+                             idempotent=False))
 
     def resume(self, task: int) -> str:
         return str(self._rpc("resume", {"p_task": task}, idempotent=False))
@@ -315,8 +323,10 @@ class SupabaseStore(NamedReads):
     def sync_pool(self, name: str, slots: int | None) -> str:
         return str(self._rpc("sync_pool", {"p_name": name, "p_slots": slots}))
 
-    def sync_profile(self, name: str, pool: str | None, models: dict[str, str]) -> str:
-        return str(self._rpc("sync_profile", {"p_name": name, "p_pool": pool, "p_models": models}))
+    def sync_profile(self, name: str, pool: str | None, models: dict[str, str],
+                     throttle_floor: float = 60.0) -> str:
+        return str(self._rpc("sync_profile", {"p_name": name, "p_pool": pool, "p_models": models,
+                                              "p_throttle_floor": throttle_floor}))
 
     def hand_off(self, task: int, token: UUID, snapshot: dict[str, Any]) -> str:
         return str(self._rpc("hand_off", {"p_task": task, "p_token": str(token), "p_snapshot": snapshot},

@@ -39,6 +39,7 @@ def lane_settings(lane: LaneConfig, dispatch: list[dict[str, str]] | None = None
             "review": lane.review,
             "review_cap": lane.review_cap,
             "workspace_retention_seconds": lane.workspace_retention,
+            "max_transient": lane.max_transient,
         },
     }
 
@@ -47,7 +48,8 @@ def sync_config(store: Store, cfg: FleetConfig) -> dict[str, str]:
     """Write the config's pools, profiles and lanes to the database (`fleet lanes sync`), in that
     order (a profile names its pool, a lane its profile). Name → created | updated | unchanged."""
     out = {f"pool {n}": store.sync_pool(n, p.slots) for n, p in cfg.pools.items()}
-    out |= {f"profile {n}": store.sync_profile(n, p.pool, p.models) for n, p in cfg.profiles.items()}
+    out |= {f"profile {n}": store.sync_profile(n, p.pool, p.models, p.throttle_floor)
+            for n, p in cfg.profiles.items()}
     out |= {name: store.sync_lane(name, lane_settings(lane, cfg.dispatch_list(name)))
             for name, lane in cfg.lanes.items()}
     return out
