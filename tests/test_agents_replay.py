@@ -110,7 +110,8 @@ def test_codex_resumed_runs_record_their_own_share_of_the_thread_total(agent_fle
         parts.append(str(part))
     fleet = agent_fleet("codex", replay((parts[0], 75), (parts[1], 75), (parts[2], 0), resume=True))
     task = fleet.enqueue("work", "thread", {})
-    fleet.run_shift("work", max_tasks=3, once=True)
+    for _ in range(3):  # a hand-off goes to the next shift
+        fleet.run_shift("work", max_tasks=1, once=True)
     runs = fleet.runs(task)
     assert [r["outcome"] for r in runs] == ["handed_off", "handed_off", "done"]
     # fresh input = input - cached: 4,768 / 9,552 / 10,257 in total; each run its increment
@@ -206,7 +207,8 @@ def test_a_session_the_agent_cannot_find_is_dropped_without_spending_an_attempt(
                                          ("claude/stream-json-no-conversation-found-resume.jsonl", 1),
                                          ("claude/stream-json-success-minimal-2.1.7.jsonl", 0), resume=True))
     task_id = fleet.enqueue("work", "gone", {})
-    fleet.run_shift("work", max_tasks=3, once=True)
+    for _ in range(2):  # a hand-off goes to the next shift; a dropped session is claimed again at once
+        fleet.run_shift("work", max_tasks=2, once=True)
     task, runs = fleet.task(task_id), fleet.runs(task_id)
     assert [r["outcome"] for r in runs] == ["handed_off", "session_dropped", "done"]
     assert (task["state"], task["failures"]) == ("done", 0)

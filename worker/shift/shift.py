@@ -668,7 +668,7 @@ class Shift:
             return reading.tokens
         try:
             earlier = [r for r in self.store.task_runs(job.task.id)
-                       if r.agent_session == reading.session_id and r.lease_token != job.token]
+                       if r.agent_session == reading.session_id and r.attempt < job.task.attempts]
         except FleetError as exc:
             self.log.warning("could not read the session's earlier runs; counting its running total",
                              task=job.task.id, error=str(exc))
