@@ -118,6 +118,13 @@ def test_a_near_reset_is_read_as_said_and_the_database_applies_the_floor() -> No
                                    "reset": (NOW + timedelta(seconds=2)).isoformat()}
 
 
+def test_a_timestamp_elsewhere_in_the_output_is_never_taken_for_the_reset() -> None:
+    # Gemini CLI 0.26.0's real events carry an ISO `timestamp` each; the limit line names 12pm
+    events = (CORPUS / "gemini/stream-json-hello-0.26.0.jsonl").read_text()
+    hit = usage_limit(None, 1, None, events + "5-hour limit reached ∙ resets 12pm\n", now=NOW)
+    assert hit is not None and hit.until == datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+
+
 def wording(name: str, fragment: str) -> str:
     (text,) = [str(w["text"]) for w in wordings(name) if fragment in str(w["text"])]
     return text

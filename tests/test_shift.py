@@ -232,7 +232,7 @@ def test_is_error_and_unverified_exits_are_failed_attempts(fleet_of) -> None:
 
     t = f.task(is_error)
     assert (t["state"], t["failures"], t["dead_reason"]) == ("dead", 1, "attempt-cap")
-    assert "is_error" in t["last_error"]
+    assert "end-of-run record says it failed (error_during_execution)" in t["last_error"]
     (run,) = f.runs(is_error)
     assert (run["outcome"], run["exit_code"]) == ("failed", 0)
 

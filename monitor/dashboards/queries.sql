@@ -28,7 +28,7 @@ select * from fleet.attention_tasks
  order by attention_at, id;
 
 -- name: pool_overview
--- Capacity pools: slots, in use, throttled until, throttles and spill-overs today.
+-- Capacity pools: slots, in use, throttled until, throttles, provider errors and spill-overs today.
 select * from fleet.pool_overview order by pool;
 
 -- name: active_sessions

@@ -104,13 +104,13 @@ def render_status(data: dict[str, Any]) -> RenderableType:
         parts.append(waiting)
 
     if data.get("pools"):
-        pools = Table("pool", "slots", "in use", "throttled until", "throttles today", "spill-overs today",
-                      "profiles", title="capacity pools", title_justify="left")
+        pools = Table("pool", "slots", "in use", "throttled until", "throttles today", "provider errors today",
+                      "spill-overs today", "profiles", title="capacity pools", title_justify="left")
         for row in data["pools"]:
             until = row["throttled_until"]
             pools.add_row(row["pool"], "∞" if row["slots"] is None else str(row["slots"]), str(row["in_use"]),
                           f"[red]{until:%Y-%m-%d %H:%M:%S}[/]" if until else "—", _red(row["throttles_today"]),
-                          str(row["spillovers_today"]), escape(row["profiles"] or ""))
+                          _red(row["transients_today"]), str(row["spillovers_today"]), escape(row["profiles"] or ""))
         parts.append(pools)
 
     if data["sessions"]:

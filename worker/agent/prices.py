@@ -93,7 +93,7 @@ def run_cost(reading: Reading, tokens: Tokens, model: str | None,
 
 def run_report(reading: Reading, tokens: Tokens, model: str | None,
                prices: Mapping[str, PriceConfig]) -> dict[str, Any]:
-    """The token, cost and session fields of ``fleet.record_run`` for a reading."""
+    """The token, cost, session and model fields of ``fleet.record_run`` for a reading."""
     spent, source = run_cost(reading, tokens, model, prices)
     out: dict[str, Any] = {
         "agent": reading.agent, "input_tokens": tokens.input, "cache_creation_tokens": tokens.cache_write,
@@ -102,4 +102,7 @@ def run_report(reading: Reading, tokens: Tokens, model: str | None,
     }
     if reading.session_id:
         out["agent_session"] = reading.session_id
+    named = model or ",".join(reading.models)  # what was dispatched, else what the agent said it ran
+    if named:
+        out["model"] = named
     return out

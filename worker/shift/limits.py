@@ -86,7 +86,8 @@ def judge(reading: Reading, code: int, profile: ProfileConfig | None, output_tai
     if code != 0:
         return Verdict("failed", f"exit code {code}: {output_tail.strip()[-800:]}")
     said = reading.error or reading.summary or ""
-    return Verdict("failed", f"the agent reported an error ({reading.subtype or 'no subtype'}): {said}"[:2000])
+    return Verdict("failed", f"exit 0, but the agent's end-of-run record says it failed "
+                             f"({reading.subtype or 'no subtype'}): {said}"[:2000])
 
 
 def _transient_text(texts: list[str]) -> Signal | None:
@@ -148,7 +149,11 @@ def usage_limit(profile: ProfileConfig | None, code: int, final_text: str | None
         hit = signal = f"exit code {code} (a usage limit for this profile)"
     if hit is None:
         return None
-    until, after = reset_time(" ".join(texts) if hit.startswith("exit code") else hit + "\n" + " ".join(texts), now)
+    # the reset is read from the line that said so, else from the final message: never from the rest
+    # of the output, whose records carry timestamps of their own (Gemini CLI's on every event)
+    until, after = (None, None) if hit.startswith("exit code") else reset_time(hit, now)
+    if until is None and after is None and final_text:
+        until, after = reset_time(final_text, now)
     return UsageLimit(hit, *_believed(until, after, backoff, now), signal=signal, reset_read=_read(until, after, now))
 
 

@@ -573,8 +573,6 @@ class Shift:
         report: dict[str, Any] = {**run_report(reading, self._own_tokens(job, reading), job.dispatch.model,
                                                self.cfg.prices),
                                   "exit_code": code, "log_path": str(job.log_path)}
-        if job.dispatch.model:
-            report["model"] = job.dispatch.model  # what was dispatched (the reading names sub-agents too)
         if reading.session_missing is not None and job.resumed:
             report.pop("agent_session", None)  # a new id the agent made up for a session it could not find
         if code != 0:
