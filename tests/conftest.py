@@ -27,6 +27,23 @@ ROOT = Path(__file__).resolve().parents[1]
 LOCAL = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Byte-compile lanefleet and its environment once, before any test starts a process.
+
+    The suite starts hundreds of Python processes (`fleet` commands, shifts, agents). Where
+    PYTHONDONTWRITEBYTECODE is set (this machine sets it) none of them leaves a .pyc behind, so each
+    compiled every module again: 2.3 s of CPU to start `fleet --help`, 0.8 s with the cache
+    (bench/README.md). Python still reads .pyc files it did not write; compileall writes them
+    (into git-ignored __pycache__ folders) and skips those already current."""
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: the controller did it
+    import compileall
+    import sysconfig
+
+    for folder in (ROOT / "worker", ROOT / "monitor", ROOT / "tests", Path(sysconfig.get_paths()["purelib"])):
+        compileall.compile_dir(folder, quiet=2, workers=0)
+
+
 def _answers(url: str) -> bool:
     try:
         with psycopg.connect(url, connect_timeout=3):
