@@ -152,6 +152,8 @@ begin
        set state = v_state,
            evaporations = evaporations + 1,
            run_at = now(),
+           -- repaired work first: claimed before fresh work of its priority, as a hand-off is
+           carry_over = v_state = 'queued',
            dead_reason = case when v_state = 'dead' then 'attempt-cap' end,
            finished_at = case when v_state = 'dead' then now() end,
            updated_at = now(),

@@ -150,8 +150,9 @@ INVARIANTS: dict[str, str] = {
     "finished iff finished_at": """
         select id from fleet.tasks
          where (state in ('done', 'dead', 'cancelled')) <> (finished_at is not null)""",
-    "only a hand-off leaves carry_over set": """
-        select id from fleet.tasks where carry_over and (state <> 'queued' or handoffs = 0)""",
+    "carry_over only on a queued task carried over from a run (a hand-off, a repair, a throttle)": """
+        select id from fleet.tasks t where carry_over
+           and (state <> 'queued' or not exists (select 1 from fleet.runs r where r.task_id = t.id))""",
 }
 
 

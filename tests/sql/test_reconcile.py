@@ -40,6 +40,7 @@ from sqlkit import (
     scans_of,
     session_row,
     sync_lane,
+    take,
     task,
 )
 
@@ -87,6 +88,21 @@ def test_expired_lease_goes_back_to_the_queue(conn):
     (again,) = claim_exactly(conn, open_session(conn, "a", host="h2"))
     assert again["id"] == expired["id"] and again["attempts"] == 2
     assert_fenced(conn, expired["id"], expired["lease_token"])
+
+
+def test_repaired_work_is_claimed_before_fresh_work_of_its_priority(conn):
+    # the repaired task was enqueued last and released last: fresh work is older in run_at
+    sync_lane(conn)
+    fresh = [enqueue(conn, "a") for _ in range(3)]
+    lost = enqueue(conn, "a")
+    s = open_session(conn, "a")
+    held = take(conn, s, lost)
+    expire(conn, lost)
+    assert actions(reconcile(conn)) == [("released", lost)]
+    assert task(conn, lost)["carry_over"] is True
+    assert held["id"] == lost
+    other = open_session(conn, "a")
+    assert [t["id"] for t in claim_exactly(conn, other, 2)] == [lost, fresh[0]]
 
 
 def test_a_second_pass_repairs_nothing_more(conn):

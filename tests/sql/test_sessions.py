@@ -140,11 +140,12 @@ def test_close_session_writes_the_lane_handoff(conn, lane, session):
     assert float(h["cost_usd"]) == 0.75
     assert h["notes"] == {"summary": "a good shift"}
     assert h["window_start"] <= h["window_end"]
-    # the queue head, in claim order: the resumed hand-off, then the waiting task (older run_at),
-    # the released one (run_at reset to its release), the failed one (in backoff, still queued)
+    # the queue head, in claim order: the work carried over first — the resumed hand-off, then the
+    # released one (repaired work goes before fresh work of its priority) — then the waiting task,
+    # then the failed one (in backoff, still queued)
     head = [q["id"] for q in h["queue_head"]]
-    assert head == [handed, waiting, held, failed]
-    assert h["queue_head"][0]["carry_over"] is True
+    assert head == [handed, held, waiting, failed]
+    assert [q["carry_over"] for q in h["queue_head"]] == [True, True, False, False]
     assert set(h["queue_head"][0]) >= {"id", "key", "title", "priority", "carry_over", "run_at"}
 
     # the still-held task was released, counting an evaporation
