@@ -91,6 +91,11 @@ def run_cost(reading: Reading, tokens: Tokens, model: str | None,
     return (computed, "computed") if computed is not None else (0.0, None)
 
 
+def spent(reading: Reading, model: str | None, prices: Mapping[str, PriceConfig]) -> tuple[float, int]:
+    """What a run has spent by its reading so far, as a budget counts it: (cost, tokens)."""
+    return run_cost(reading, reading.tokens, model, prices)[0], reading.tokens.total
+
+
 def run_report(reading: Reading, tokens: Tokens, model: str | None,
                prices: Mapping[str, PriceConfig]) -> dict[str, Any]:
     """The token, cost, session and model fields of ``fleet.record_run`` for a reading."""

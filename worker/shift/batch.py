@@ -44,7 +44,7 @@ from uuid import UUID
 
 from worker.agent.adapters import ADAPTERS, StreamReader
 from worker.agent.executor import AgentProcess, agent_env, render_argv, tail
-from worker.agent.prices import run_cost, run_report
+from worker.agent.prices import run_report, spent
 from worker.config import FleetConfig, LaneConfig
 from worker.errors import ConfigError, DatabaseUnavailable, FleetError, LeaseLost
 from worker.models import Task
@@ -314,9 +314,8 @@ class BatchRunner:
         assert r is not None
         if r.kind == "agent" and self.budget != (None, None) and self.over_budget is None:
             self.reader.read(r.proc.log_path)
-            reading = self.reader.reading()
-            spent, _ = run_cost(reading, reading.tokens, self.model, self.shift.cfg.prices)
-            over = over_budget(self.budget, self.spent_before[0] + spent, self.spent_before[1] + reading.tokens.total)
+            cost, tokens = spent(self.reader.reading(), self.model, self.shift.cfg.prices)
+            over = over_budget(self.budget, self.spent_before[0] + cost, self.spent_before[1] + tokens)
             if over is not None:
                 self.over_budget = over
                 r.proc.kill()

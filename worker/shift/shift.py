@@ -31,7 +31,7 @@ import structlog
 
 from worker.agent.adapters import ADAPTERS, Reading, StreamReader, Tokens
 from worker.agent.executor import EX_TEMPFAIL, AgentProcess, agent_env, render_argv, tail
-from worker.agent.prices import run_cost, run_report
+from worker.agent.prices import run_report, spent
 from worker.config import FleetConfig, LaneConfig
 from worker.errors import DatabaseUnavailable, FleetError, LeaseLost, SessionLost
 from worker.models import LaneHandoff, Task
@@ -310,6 +310,7 @@ class Shift:
         # (a task whose earlier runs spent its budget was blocked by the claim: this run's own
         # spend is watched while it streams)
         budget, spent_before = self.task_budget(task, log)
+        session = self.resumable(task, d)  # the agent session this attempt resumes, if it can
         if self.lane.repo:
             try:
                 head = self._git_worktree(task, ws)
@@ -338,7 +339,7 @@ class Shift:
             else:
                 values = {"prompt_file": str(ws.prompt_file), "workspace": str(ws.root),
                           "model": d.model or "", "task_id": str(task.id),
-                          "agent_session": self.resumable(task, d) or ""}
+                          "agent_session": session or ""}
                 agent = AgentProcess(d.argv(values), cwd=ws.root, env=env, log_path=log_path, stdin=ws.prompt_file)
         except OSError as exc:
             log.error("could not start the agent", error=str(exc))
@@ -348,7 +349,7 @@ class Shift:
             return
         job = Job(task=task, ws=ws, agent=agent, log_path=log_path, started=time.monotonic(), dispatch=d,
                   spent_before=spent_before, budget=budget, reader=ADAPTERS[d.agent].reader(),
-                  resumed=bool(self.resumable(task, d)) and not gate_only)
+                  resumed=bool(session) and not gate_only)
         if gate_only:
             job.gate_until = time.monotonic() + self.lane.verify_timeout
         cp = ws.read_checkpoint()
@@ -375,13 +376,13 @@ class Shift:
         runs spent (cost, tokens; read only when there is a budget)."""
         budget = (float(task.max_cost_usd) if task.max_cost_usd is not None else self.lane.max_cost_usd,
                   task.max_tokens if task.max_tokens is not None else self.lane.max_tokens)
-        spent = (0.0, 0)
+        before = (0.0, 0)
         if budget != (None, None):
             try:
-                spent = self.store.task_spend(task.id)
+                before = self.store.task_spend(task.id)
             except FleetError as exc:
                 log.warning("could not read the task's spend; its budget counts this run only", error=str(exc))
-        return budget, spent
+        return budget, before
 
     def task_env(self, task: Task, ws: Workspace, d: Dispatch, *, attempt: int | None = None,
                  lease: UUID | None = None, **extra: str) -> dict[str, str]:
@@ -548,9 +549,8 @@ class Shift:
     def _check_budget(self, job: Job) -> None:
         if job.over_budget is not None or job.killed is not None or job.budget == (None, None):
             return
-        reading = job.reader.reading()
-        spent, _ = run_cost(reading, reading.tokens, job.dispatch.model, self.cfg.prices)
-        over = over_budget(job.budget, job.spent_before[0] + spent, job.spent_before[1] + reading.tokens.total)
+        cost, tokens = spent(job.reader.reading(), job.dispatch.model, self.cfg.prices)
+        over = over_budget(job.budget, job.spent_before[0] + cost, job.spent_before[1] + tokens)
         if over is not None:
             job.over_budget = over
             job.agent.kill()
