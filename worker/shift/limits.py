@@ -14,7 +14,7 @@ structured records — and falls back to text only for a run that did not succee
   than LONGEST_RESET, is not believed and the profile's ``throttle_backoff`` applies; the
   database never queues the task sooner than the profile's ``throttle_floor``.
 - **Transient provider errors** (overloaded, 5xx, a reset connection): the adapter's signal, else
-  :data:`TRANSIENT_PATTERNS` in the run's final message or error. Retried without spending an
+  :data:`~worker.agent.adapters.base.TRANSIENT_WORDINGS` in the CLI's own error text. Retried without spending an
   attempt, up to the lane's ``max_transient`` (the database counts).
 - **A session that cannot be resumed** ("No conversation found with session ID …"): only when
   this attempt was told to resume one; the session is dropped and the next attempt starts fresh.
@@ -30,15 +30,8 @@ from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from worker.agent.adapters import Reading, Signal
+from worker.agent.adapters.base import TRANSIENT_WORDINGS
 from worker.config import DEFAULT_LIMIT_PATTERNS, ProfileConfig
-
-# API errors that say nothing about the work (Claude Code's and the providers' wordings, from
-# tests/agents/corpus/limits/api-error-wordings.jsonl): the attempt is retried, not spent
-TRANSIENT_PATTERNS = [
-    r"overloaded(?:_error)?", r"\bAPI Error:?\s*\(?5\d\d\b", r"\b5\d\d\b.{0,20}(internal server error|bad gateway|"
-    r"service unavailable|gateway timeout)", r"\bECONNRESET\b", r"\bETIMEDOUT\b", r"API Error \(Connection error",
-    r"Unable to connect to API", r"fetch failed", r"stream disconnected", r"socket hang up",
-]
 
 Kind = Literal["done", "failed", "throttled", "transient", "session_dropped"]
 
@@ -92,7 +85,7 @@ def judge(reading: Reading, code: int, profile: ProfileConfig | None, output_tai
 
 def _transient_text(texts: list[str]) -> Signal | None:
     for text in texts:
-        for pattern in TRANSIENT_PATTERNS:
+        for pattern in TRANSIENT_WORDINGS:
             m = re.search(pattern, text, re.IGNORECASE)
             if m:
                 return Signal(f"pattern {pattern!r}", _line_of(text, m))

@@ -16,10 +16,26 @@ never added to a total again).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+# API errors that say nothing about the work (Claude Code's and the providers' wordings, from
+# tests/agents/corpus/limits/api-error-wordings.jsonl): an adapter's transient signal, and the
+# fallback worker.shift.limits applies to any CLI's error text
+TRANSIENT_WORDINGS = [
+    r"overloaded(?:_error)?", r"\bAPI Error:?\s*\(?5\d\d\b", r"\b5\d\d\b.{0,20}(internal server error|bad gateway|"
+    r"service unavailable|gateway timeout)", r"\bECONNRESET\b", r"\bETIMEDOUT\b", r"Connection error",
+    r"Unable to connect to API", r"fetch failed", r"stream disconnected", r"socket hang up",
+]
+_TRANSIENT = re.compile("|".join(f"(?:{w})" for w in TRANSIENT_WORDINGS), re.IGNORECASE)
+
+
+def transient_wording(text: str) -> bool:
+    """Whether an error text is one of the provider-side wordings (TRANSIENT_WORDINGS)."""
+    return _TRANSIENT.search(text) is not None
 
 
 @dataclass

@@ -37,7 +37,16 @@ import re
 from typing import Any
 
 from worker.agent.adapters import Adapter
-from worker.agent.adapters.base import Signal, StreamReader, Tokens, clip, count, epoch, money
+from worker.agent.adapters.base import (
+    Signal,
+    StreamReader,
+    Tokens,
+    clip,
+    count,
+    epoch,
+    money,
+    transient_wording,
+)
 
 _NO_CONVERSATION = "No conversation found with session ID"
 _SYNTHETIC = "<synthetic>"
@@ -46,8 +55,6 @@ _SYNTHETIC = "<synthetic>"
 # reached your specified API usage limits"
 _LIMIT_TEXT = re.compile(r"limit reached|hit your (?:\w+ )?limit|usage limits?\b", re.IGNORECASE)
 _TRANSIENT_STATUS = frozenset({500, 502, 503, 504, 529})
-_TRANSIENT_TEXT = re.compile(r"API Error:? \(?5\d\d\b|overloaded|Connection error|ECONNRESET|fetch failed|"
-                             r"Unable to connect to API", re.IGNORECASE)
 
 
 def _larger(a: Tokens, b: Tokens) -> Tokens:
@@ -152,7 +159,7 @@ class ClaudeReader(StreamReader):
     def _classify(self, status: Any, text: str) -> None:
         if self.out.limit is None and (status == 429 or _LIMIT_TEXT.search(text)):
             self.out.limit = Signal(f"api_error_status {status}" if status == 429 else "result is_error", text[:500])
-        elif self.out.limit is None and (status in _TRANSIENT_STATUS or _TRANSIENT_TEXT.search(text)):
+        elif self.out.limit is None and (status in _TRANSIENT_STATUS or transient_wording(text)):
             signal = f"api_error_status {status}" if status in _TRANSIENT_STATUS else "result is_error"
             self.out.transient = Signal(signal, text[:500])
 
