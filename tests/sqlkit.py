@@ -209,7 +209,8 @@ def take(conn: psycopg.Connection, session: uuid.UUID, task_id: int) -> dict[str
 
 
 def heartbeat(conn: psycopg.Connection, session: uuid.UUID) -> dict[int, str]:
-    got = rows(conn, "select task_id, status from fleet.heartbeat(%s)", (session,))
+    """Task id → status (the session's own row, task_id NULL, left out: see session_grant)."""
+    got = rows(conn, "select task_id, status from fleet.heartbeat(%s) where task_id is not null", (session,))
     out = {r["task_id"]: r["status"] for r in got}
     assert len(out) == len(got), f"a task reported twice: {got}"
     return out

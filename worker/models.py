@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, NamedTuple
 from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict
@@ -15,6 +15,42 @@ from pydantic import BaseModel, ConfigDict
 TASK_STATES = ("queued", "running", "blocked", "review", "batched", "done", "dead", "cancelled")
 FINISHED_STATES = ("done", "dead", "cancelled")
 WAITING_STATES = ("blocked", "review")  # open, but only a person moves them on
+
+
+class Heartbeat(dict[int, str]):
+    """What ``fleet.heartbeat`` answered: task id → ok | lost | cancelled | stalled, and
+    ``valid_for``, the seconds the session's lease holds from the database's now() (None: an
+    answer without it). The shift counts them from before it sent the call (see
+    :class:`worker.shift.fence.Fence`)."""
+
+    valid_for: float | None = None
+
+    @classmethod
+    def of_rows(cls, rows: list[dict[str, Any]]) -> Heartbeat:
+        beat = cls()
+        for r in rows:
+            if r.get("task_id") is None:
+                if r.get("valid_for") is not None:
+                    beat.valid_for = float(r["valid_for"])
+            else:
+                beat[int(r["task_id"])] = str(r["status"])
+        return beat
+
+
+class LeaseAnswer(NamedTuple):
+    """What ``fleet.lease_held`` answered: does the token hold the task, the task's state, for how
+    many more seconds the lease holds from the database's now() (0 when not held), and whether the
+    token is still the task's own (held or not: a lease that ran out unrepaired)."""
+
+    held: bool
+    state: str
+    valid_for: float
+    token_matches: bool = False
+
+    @classmethod
+    def of_row(cls, row: dict[str, Any]) -> LeaseAnswer:
+        return cls(bool(row["held"]), str(row["state"]), float(row.get("valid_for") or 0.0),
+                   bool(row.get("token_matches")))
 
 
 class _Row(BaseModel):

@@ -67,6 +67,23 @@ $$;
 revoke all on function fleet._require_lane(text) from public;
 grant execute on function fleet._require_lane(text) to service_role;
 
+-- Until when a running task's lease holds, by the database's clock: a task's lease follows its
+-- session. The session's last sign of life (a heartbeat or a claim) plus the lane's lease, and not
+-- past the moment the monitor may declare the session lost (its session timeout, when shorter).
+-- The one rule fleet.heartbeat grants, fleet.lease_held answers, fleet.reconcile repairs by and
+-- fleet.stuck_tasks shows; no task row is written to renew a lease.
+create or replace function fleet._lease_until(p_heartbeat timestamptz, p_lease_seconds int,
+                                              p_session_timeout_seconds int)
+returns timestamptz
+language sql
+immutable
+as $$
+    select p_heartbeat + make_interval(secs => least(p_lease_seconds,
+                                                     coalesce(p_session_timeout_seconds, p_lease_seconds)))
+$$;
+revoke all on function fleet._lease_until(timestamptz,int,int) from public;
+grant execute on function fleet._lease_until(timestamptz,int,int) to service_role;
+
 -- The active session, locked, or LF006.
 create or replace function fleet._active_session(p_session uuid)
 returns fleet.sessions

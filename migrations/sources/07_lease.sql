@@ -3,9 +3,15 @@
 -- The one hand-edited definition of each function and view below. A change here needs a
 -- migration made from it: `uv run python -m worker.dev.sqlsources new <name>` (see README).
 
+-- A shift's sign of life: one write to its session row renews the lease of every task it holds (a
+-- task's lease follows its session, fleet._lease_until); task rows are written only where a task's
+-- own state changes (released, progressed, waiting, stalled). Rows: first (NULL, 'session',
+-- valid_for), then one per task: ok | lost | cancelled | stalled. valid_for: the seconds the lease
+-- holds from the database's now() (0 for a task that is not held): the shift counts them from
+-- before it sent the call, on its own monotonic clock, and stops its agents before they run out.
 create or replace function fleet.heartbeat(p_session uuid, p_tasks bigint[] default null,
                                 p_progressed bigint[] default null, p_attention jsonb default null)
-returns table (task_id bigint, status text)
+returns table (task_id bigint, status text, valid_for double precision)
 language plpgsql
 security definer
 set search_path = pg_catalog, fleet, pg_temp
@@ -13,15 +19,17 @@ as $$
 #variable_conflict use_column
 declare
     s fleet.sessions;
-    v_lease int;
+    l fleet.lanes;
     v_since timestamptz;
+    v_valid double precision;
     v_task bigint;
     v_stalled bigint[] := '{}';
 begin
     s := fleet._active_session(p_session);
-    select lease_seconds into v_lease from fleet.lanes where name = s.lane;
-    v_since := least(s.heartbeat_at, now()) - make_interval(secs => v_lease);
+    select * into l from fleet.lanes where name = s.lane;
+    v_since := least(s.heartbeat_at, now()) - make_interval(secs => l.lease_seconds);
     update fleet.sessions set heartbeat_at = now() where id = s.id;
+    v_valid := extract(epoch from fleet._lease_until(now(), l.lease_seconds, l.session_timeout_seconds) - now());
 
     if p_tasks is not null then
         for v_task in select t.id from fleet.tasks t
@@ -67,24 +75,22 @@ begin
         v_stalled := v_stalled || v_task;
     end loop;
 
-    return query select x, 'stalled'::text from unnest(v_stalled) x;
+    return query select null::bigint, 'session'::text, v_valid;
+    return query select x, 'stalled'::text, 0::double precision from unnest(v_stalled) x;
     return query
-    with renewed as (
-        update fleet.tasks t
-           set lease_expires_at = now() + make_interval(secs => l.lease_seconds),
-               updated_at = now()
-          from fleet.lanes l
-         where t.session_id = s.id and t.state = 'running' and l.name = t.lane
+    with held as (
+        select t.id from fleet.tasks t
+         where t.session_id = s.id and t.state = 'running'
            and (p_tasks is null or t.id = any (p_tasks))
-        returning t.id
     )
-    select r.id, 'ok'::text from renewed r
+    select h.id, 'ok'::text, v_valid from held h
     union all
     (select distinct on (r.task_id) r.task_id,
-            case r.outcome when 'cancelled' then 'cancelled' else 'lost' end
+            case r.outcome when 'cancelled' then 'cancelled' else 'lost' end,
+            0::double precision
        from fleet.runs r
       where r.session_id = s.id
-        and r.task_id not in (select id from renewed)
+        and r.task_id not in (select id from held)
         and r.task_id <> all (v_stalled)
         and case when p_tasks is null
                  then r.outcome in ('lost', 'cancelled') and r.ended_at >= v_since
@@ -121,12 +127,17 @@ $$;
 revoke all on function fleet.checkpoint(bigint,uuid,jsonb) from public;
 grant execute on function fleet.checkpoint(bigint,uuid,jsonb) to fleet_worker, service_role;
 
--- Does p_token still hold task p_task? True only if the task is running under exactly that token
--- and its lease has not expired by the database's clock (a lease the monitor has not repaired yet
--- but that ran out is not held: someone may repair it any moment). `state` is the task's state,
--- 'unknown' when there is no such task. LF008 if the caller may not work the task's lane.
+-- Does p_token still hold task p_task, and for how long? held only if the task is running under
+-- exactly that token, its session is active and its lease (fleet._lease_until: the session's last
+-- heartbeat plus the lane's lease) has not run out by the database's clock (a lease that ran out but
+-- was not repaired yet is not held: someone may repair it any moment). valid_for: the seconds it
+-- still holds from the database's now() (0 when not held): `fleet guard` acts only if its own
+-- round trip was shorter. `state` is the task's state, 'unknown' when there is no such task;
+-- token_matches: the task runs under p_token, held or not (a lease that ran out unrepaired can
+-- still be renewed by its shift; another token's cannot). LF008 if the caller may not work the
+-- task's lane. Read only.
 create or replace function fleet.lease_held(p_task bigint, p_token uuid)
-returns table (held boolean, state text)
+returns table (held boolean, state text, valid_for double precision, token_matches boolean)
 language plpgsql
 stable
 security definer
@@ -134,20 +145,26 @@ set search_path = pg_catalog, fleet, pg_temp
 as $$
 declare
     t fleet.tasks;
+    v_until timestamptz;
 begin
     select k.* into t from fleet.tasks k where k.id = p_task;
     if not found then
-        return query select false, 'unknown'::text;
+        return query select false, 'unknown'::text, 0::double precision, false;
         return;
     end if;
     perform fleet._require_lane(t.lane);
+    if t.state = 'running' and p_token is not null and t.lease_token = p_token then
+        select fleet._lease_until(s.heartbeat_at, l.lease_seconds, l.session_timeout_seconds) into v_until
+          from fleet.sessions s join fleet.lanes l on l.name = s.lane
+         where s.id = t.session_id and s.state = 'active';
+    end if;
     return query
-        select coalesce(t.state = 'running' and p_token is not null and t.lease_token = p_token
-                        and t.lease_expires_at > now(), false),
-               t.state::text;
+        select coalesce(v_until > now(), false), t.state::text,
+               greatest(coalesce(extract(epoch from v_until - now()), 0), 0)::double precision,
+               coalesce(t.state = 'running' and t.lease_token = p_token, false);
 end
 $$;
 comment on function fleet.lease_held(bigint, uuid) is
-    'fleet guard: (held, state): does the token still hold the running task, its lease unexpired (read only)';
+    'fleet guard: (held, state, valid_for, token_matches): does the token still hold the running task, for how many more seconds, and is it still the task''s token (read only)';
 revoke all on function fleet.lease_held(bigint,uuid) from public;
 grant execute on function fleet.lease_held(bigint,uuid) to fleet_worker, service_role;

@@ -59,16 +59,21 @@ begin
         end if;
     end loop;
 
-    -- 3. running tasks whose lease expired (a worker alive enough to heartbeat renews them);
-    --    as above, a lease gets its full length after a server restart
+    -- 3. running tasks whose lease ran out (fleet._lease_until: it follows the session, so this
+    --    finds the tasks of a session silent for its lease that is not lost yet, with a session
+    --    timeout longer than the lease); as above, a lease gets its full length after a server
+    --    restart. The session rows are locked too: a heartbeat committed meanwhile is seen
+    --    (rechecked on the newest row) and a session busy in a heartbeat is left for the next pass.
     for r in
         select t.id, t.lane, t.session_id
           from fleet.tasks t
+          join fleet.sessions s on s.id = t.session_id and s.state = 'active'
           join fleet.lanes l on l.name = t.lane
-         where t.state = 'running' and t.lease_expires_at < now()
+         where t.state = 'running'
+           and fleet._lease_until(s.heartbeat_at, l.lease_seconds, l.session_timeout_seconds) < now()
            and pg_postmaster_start_time() < now() - make_interval(secs => l.lease_seconds)
-         order by t.lease_expires_at
-           for no key update of t skip locked
+         order by s.heartbeat_at, t.id
+           for no key update of t, s skip locked
     loop
         v_state := fleet._release(r.id, 'lease-expired');
         if v_state is not null then

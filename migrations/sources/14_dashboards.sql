@@ -120,7 +120,7 @@ grant all on fleet.lane_overview to service_role;
 create or replace view fleet.stuck_tasks as
 with running as (
     -- the running tasks (tasks_running_lease), their open run and the start of their stage
-    select t.id, t.lane, t.key, t.title, t.session_id, t.attempts, t.lease_expires_at,
+    select t.id, t.lane, t.key, t.title, t.session_id, t.attempts,
            t.last_progress_at, r.started_at as run_started_at,
            coalesce(fc.started_at, r.started_at) as stage_started_at,
            l.lease_seconds, coalesce(l.session_timeout_seconds, l.lease_seconds) as session_timeout,
@@ -152,10 +152,13 @@ with running as (
      group by c.lane
 ), judged as (
     select x.*, s.host, s.pid, s.state as session_state, s.heartbeat_at,
+           fleet._lease_until(s.heartbeat_at, x.lease_seconds, x.session_timeout) as lease_until,
            p.p95_seconds, p.completed,
            array_remove(array[
-               case when x.lease_expires_at < now() then 'lease-expired'
-                    when x.lease_expires_at < now() + least(interval '1 minute',
+               case when fleet._lease_until(s.heartbeat_at, x.lease_seconds, x.session_timeout) < now()
+                    then 'lease-expired'
+                    when fleet._lease_until(s.heartbeat_at, x.lease_seconds, x.session_timeout)
+                         < now() + least(interval '1 minute',
                                                             make_interval(secs => x.lease_seconds / 3.0))
                     then 'lease-expiring' end,
                case when s.state = 'lost' then 'session-lost'
@@ -186,8 +189,8 @@ select j.id as task_id,
        j.stage_started_at,
        round(extract(epoch from now() - j.stage_started_at), 1) as running_seconds,
        round(p95_seconds::numeric, 1) as lane_p95_seconds,
-       j.lease_expires_at,
-       round(extract(epoch from j.lease_expires_at - now()), 1) as lease_remaining_seconds,
+       j.lease_until as lease_expires_at,
+       round(extract(epoch from j.lease_until - now()), 1) as lease_remaining_seconds,
        round(extract(epoch from now() - j.heartbeat_at), 1) as heartbeat_age_seconds,
        j.last_progress_at
   from judged j
@@ -214,7 +217,8 @@ comment on column fleet.stuck_tasks.stage_started_at is 'the first claim of the 
 comment on column fleet.stuck_tasks.running_seconds is 'seconds since stage_started_at (its wall-clock so far)';
 comment on column fleet.stuck_tasks.lane_p95_seconds is
     'p95 stage wall-clock of the lane''s stages completed in the last 7 days (NULL: none)';
-comment on column fleet.stuck_tasks.lease_expires_at is 'when the lease runs out unless renewed';
+comment on column fleet.stuck_tasks.lease_expires_at is
+    'when the lease runs out unless the session heartbeats: its last heartbeat plus the lane''s lease';
 comment on column fleet.stuck_tasks.lease_remaining_seconds is 'seconds left on the lease (negative: expired)';
 comment on column fleet.stuck_tasks.heartbeat_age_seconds is 'seconds since the session''s last heartbeat';
 comment on column fleet.stuck_tasks.last_progress_at is 'the last checkpoint (NULL: none yet)';

@@ -46,38 +46,58 @@ from sqlkit import (
 # heartbeat
 
 
+def lease_left(conn: psycopg.Connection, task_id: int) -> float:
+    """Seconds task_id's lease holds by the rule every reader shares (fleet._lease_until)."""
+    return one(conn, """select extract(epoch from fleet._lease_until(s.heartbeat_at, l.lease_seconds,
+                                                                      l.session_timeout_seconds) - now())
+                          from fleet.tasks t join fleet.sessions s on s.id = t.session_id
+                          join fleet.lanes l on l.name = t.lane where t.id = %s""", (task_id,))
+
+
 def test_heartbeat_renews_the_leases_of_its_session_only(conn, lane, session):
     other = open_session(conn, lane, host="host-2")
     mine = [enqueue(conn, lane, f"m{i}") for i in range(2)]
     theirs = enqueue(conn, lane, "t")
     claim(conn, session, 2)
     claim(conn, other, 1)
-    conn.execute(
-        "update fleet.tasks set lease_expires_at = now() + interval '1 s' where state = 'running'"
-    )
-    conn.execute("update fleet.sessions set heartbeat_at = now() - interval '20 s'")
+    conn.execute("update fleet.sessions set heartbeat_at = now() - interval '59 s'")
+    assert all(lease_left(conn, t) < 2 for t in (*mine, theirs))
     assert heartbeat(conn, session) == {mine[0]: "ok", mine[1]: "ok"}
     for task_id in mine:
-        assert one(
-            conn,
-            "select lease_expires_at > now() + interval '50 s' from fleet.tasks where id = %s",
-            (task_id,),
-        )
-    assert one(
-        conn,
-        "select lease_expires_at < now() + interval '2 s' from fleet.tasks where id = %s",
-        (theirs,),
-    ), "another session's lease is not renewed"
-    assert one(
-        conn,
-        "select heartbeat_at > now() - interval '5 s' from fleet.sessions where id = %s",
-        (session,),
-    )
-    assert one(
-        conn,
-        "select heartbeat_at < now() - interval '5 s' from fleet.sessions where id = %s",
-        (other,),
-    )
+        assert lease_left(conn, task_id) > 59  # the lane's 60 s, from the heartbeat
+    assert lease_left(conn, theirs) < 2, "another session's lease is not renewed"
+    assert one(conn, "select heartbeat_at > now() - interval '5 s' from fleet.sessions where id = %s", (session,))
+    assert one(conn, "select heartbeat_at < now() - interval '5 s' from fleet.sessions where id = %s", (other,))
+
+
+def test_a_heartbeat_writes_its_session_row_and_no_task_row(conn, lane, session):
+    tasks = [enqueue(conn, lane, f"k{i}") for i in range(3)]
+    claim(conn, session, 3)
+    conn.commit()
+    versions = "select array_agg(xmin::text order by id) from fleet.tasks where id = any(%s)"
+    before = one(conn, versions, (tasks,))
+    session_before = one(conn, "select xmin::text from fleet.sessions where id = %s", (session,))
+    assert heartbeat(conn, session) == dict.fromkeys(tasks, "ok")
+    conn.commit()
+    assert one(conn, versions, (tasks,)) == before, "a task row was written to renew its lease"
+    assert one(conn, "select xmin::text from fleet.sessions where id = %s", (session,)) != session_before
+
+
+def test_heartbeat_grants_the_lease_or_the_shorter_session_timeout(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    claim(conn, session, 1)
+    got = rows(conn, "select task_id, status, valid_for from fleet.heartbeat(%s)", (session,))
+    assert got == [{"task_id": None, "status": "session", "valid_for": 60.0},
+                   {"task_id": task_id, "status": "ok", "valid_for": 60.0}]
+    conn.execute("update fleet.lanes set session_timeout_seconds = 25 where name = %s", (lane,))
+    got = rows(conn, "select task_id, valid_for from fleet.heartbeat(%s)", (session,))
+    assert [r["valid_for"] for r in got] == [25.0, 25.0]  # the monitor may declare it lost after 25 s
+    conn.execute("update fleet.lanes set session_timeout_seconds = 600 where name = %s", (lane,))
+    got = rows(conn, "select task_id, valid_for from fleet.heartbeat(%s)", (session,))
+    assert [r["valid_for"] for r in got] == [60.0, 60.0]  # a longer timeout does not lengthen the lease
+    release(conn, task_id)
+    got = rows(conn, "select task_id, status, valid_for from fleet.heartbeat(%s)", (session,))
+    assert got[1:] == [{"task_id": task_id, "status": "lost", "valid_for": 0.0}]
 
 
 def test_heartbeat_with_nothing_held(conn, lane, session):
@@ -149,7 +169,7 @@ def test_heartbeat_with_task_list_releases_what_the_shift_does_not_name(conn, la
     a, b, c = (enqueue(conn, lane, k) for k in ("a", "b", "c"))
     claim(conn, session, 3)
     one(conn, "select fleet.cancel(%s)", (c,))
-    rows = dict(conn.execute("select task_id, status from fleet.heartbeat(%s, %s::bigint[])",
+    rows = dict(conn.execute("select task_id, status from fleet.heartbeat(%s, %s::bigint[]) where task_id is not null",
                              (session, [a, c])).fetchall())
     assert rows == {a: "ok", c: "cancelled"}
     released = task(conn, b)
@@ -167,13 +187,13 @@ def test_heartbeat_reports_each_task_once_with_its_latest_outcome(conn, lane, se
     release(conn, task_id)
     claim_one(conn, session)
     cancel(conn, task_id)
-    got = rows(conn, "select task_id, status from fleet.heartbeat(%s)", (session,))
+    got = rows(conn, "select task_id, status from fleet.heartbeat(%s) where task_id is not null", (session,))
     assert got == [{"task_id": task_id, "status": "cancelled"}]
     # and the other way round: cancelled, retried, re-claimed, released: 'lost'
     retry(conn, task_id)
     claim_one(conn, session)
     release(conn, task_id)
-    got = rows(conn, "select task_id, status from fleet.heartbeat(%s)", (session,))
+    got = rows(conn, "select task_id, status from fleet.heartbeat(%s) where task_id is not null", (session,))
     assert got == [{"task_id": task_id, "status": "lost"}]
 
 
@@ -228,19 +248,31 @@ def test_lease_held_in_sql_and_its_security(conn: psycopg.Connection) -> None:
     s = conn.execute("select fleet.open_session('bugfix', 'h', 1, null, 600)").fetchone()[0]
     task, token = conn.execute("select id, lease_token from fleet.claim(%s, 1)", (s,)).fetchone()
 
-    def held(tok: Any, task_id: int = task) -> tuple[bool, str]:
-        return conn.execute("select held, state from fleet.lease_held(%s, %s)", (task_id, tok)).fetchone()
+    def held(tok: Any, task_id: int = task) -> tuple[bool, str, bool]:
+        return conn.execute("select held, state, token_matches from fleet.lease_held(%s, %s)",
+                            (task_id, tok)).fetchone()
 
-    assert held(token) == (True, "running")
-    assert held(uuid.uuid4()) == (False, "running")
-    assert held(None) == (False, "running")
-    assert held(token, task + 1000) == (False, "unknown")
-    conn.execute("update fleet.tasks set lease_expires_at = now() - interval '1 millisecond' where id = %s", (task,))
-    assert held(token) == (False, "running")  # expired by the database's clock, not repaired yet
-    conn.execute("update fleet.tasks set lease_expires_at = now() + interval '1 minute' where id = %s", (task,))
-    assert held(token) == (True, "running")
+    def valid_for(tok: Any = token) -> float:
+        return conn.execute("select valid_for from fleet.lease_held(%s, %s)", (task, tok)).fetchone()[0]
+
+    assert held(token) == (True, "running", True)
+    assert 59 < valid_for() <= 60  # the lane's lease, from the claim (a sign of life of the session)
+    assert held(uuid.uuid4()) == (False, "running", False) and valid_for(uuid.uuid4()) == 0
+    assert held(None) == (False, "running", False)
+    assert held(token, task + 1000) == (False, "unknown", False)
+    # the lease follows the session: its last heartbeat 59.5 s ago leaves half a second
+    conn.execute("update fleet.sessions set heartbeat_at = now() - interval '59.5 s' where id = %s", (s,))
+    assert held(token) == (True, "running", True) and abs(valid_for() - 0.5) < 0.01
+    conn.execute("update fleet.sessions set heartbeat_at = now() - interval '61 s' where id = %s", (s,))
+    # run out by the database's clock, not repaired yet: not held, but still this token's
+    assert held(token) == (False, "running", True) and valid_for() == 0
+    conn.execute("update fleet.sessions set heartbeat_at = now() where id = %s", (s,))
+    assert held(token) == (True, "running", True)
+    conn.execute("update fleet.sessions set state = 'lost', ended_at = now() where id = %s", (s,))
+    assert held(token) == (False, "running", True), "a lost session holds no lease, whatever its heartbeat"
+    conn.execute("update fleet.sessions set state = 'active', ended_at = null where id = %s", (s,))
     assert conn.execute("select fleet.cancel(%s)", (task,)).fetchone()[0] == "cancelled"
-    assert held(token) == (False, "cancelled")
+    assert held(token) == (False, "cancelled", False)
 
     # the rules of 20261130100400_fleet_roles_rls.sql
     definer, config, volatile = conn.execute(

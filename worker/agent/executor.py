@@ -20,6 +20,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -78,6 +79,7 @@ class AgentProcess:
         self.argv = argv
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
         read_end, self._write_end = os.pipe()  # both ends close-on-exec; the child gets read_end only
         try:
             with log_path.open("ab", buffering=0) as log, \
@@ -107,10 +109,12 @@ class AgentProcess:
                 pass
 
     def kill(self) -> None:
-        """Kill the agent's whole group now: closing the pipe makes the supervisor SIGKILL it."""
-        if self._write_end >= 0:
-            os.close(self._write_end)
-            self._write_end = -1
+        """Kill the agent's whole group now: closing the pipe makes the supervisor SIGKILL it.
+        Safe from any thread (the shift's fence kills from its own), any number of times."""
+        with self._lock:
+            if self._write_end >= 0:
+                os.close(self._write_end)
+                self._write_end = -1
 
     def wait(self, timeout: float | None = None) -> int:
         return self.proc.wait(timeout)

@@ -16,7 +16,7 @@ from worker.shift.guard import run_guarded
 def guard(
     cmd: Annotated[list[str], typer.Argument(metavar="CMD", show_default=False,
                                              help="the command and its arguments, after --")],
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no message when refused (still exit 77)")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no message when refused (still exit 77 or 75)")] = False,
     timeout: Annotated[float, typer.Option("--timeout", envvar="FLEET_GUARD_TIMEOUT", min=0.1,
                                            help="seconds to wait for the shift's answer")] = 20.0,
     # FLEET_GUARD_TASK first: in a batch member, the lease is the carrier's (worker.shift.batch)
@@ -27,7 +27,8 @@ def guard(
     socket_path: Annotated[str | None, typer.Option("--socket", envvar="FLEET_GUARD_SOCKET",
                                                     help="the shift's guard socket (set by the shift)")] = None,
 ) -> None:
-    """For agents: run CMD only if this task's lease still holds (asked of the database now);
-    else refuse with exit 77. Wrap what cannot be undone: `fleet guard -- git push`."""
+    """For agents: run CMD only if this task's lease still holds (asked of the database now, for
+    longer than the question took). Else exit 77 (the task is not yours any more: stop) or 75
+    (could not confirm now: retry). Wrap what cannot be undone: `fleet guard -- git push`."""
     raise typer.Exit(run_guarded(cmd, task=task, token=token, socket_path=socket_path, timeout=timeout,
                                  quiet=quiet))

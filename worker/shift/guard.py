@@ -7,17 +7,32 @@ answers for them:
 
 - :class:`GuardServer`, started by each shift, serves a Unix socket (mode 0600, in a private
   directory): one JSON line per request, ``{"task": 12, "token": "<lease token>"}``, answered with
-  ``{"held": bool, "state": "running", "error": null}`` after asking the database at that moment
-  (``fleet.lease_held``: running under exactly that token, lease not expired by the database's
-  clock). A database error is an answer too: not held, with the reason.
+  ``{"held": bool, "state": "running", "valid_for": 17.9, "token_matches": bool, "error": null}``
+  after asking the
+  database at that moment (``fleet.lease_held``: running under exactly that token, its session
+  active, its lease not run out by the database's clock, and for how many more seconds). A
+  database error is an answer too: not confirmed, with the reason.
 - ``fleet guard`` (the CLI command, run by the agent) reads ``FLEET_GUARD_SOCKET``,
   ``FLEET_TASK_ID`` and ``FLEET_LEASE_TOKEN`` (the shift puts them in every agent's
-  environment), asks, and if the lease holds replaces itself with CMD (stdin, stdout, stderr and
-  the exit code are CMD's own). Otherwise it prints one line on stderr naming the task and why, and
-  exits 77 (``EX_NOPERM``) without running CMD.
+  environment), asks, and times its own round trip on a monotonic clock. The database's
+  ``valid_for`` counts from a moment after the question was sent, so the lease certainly holds for
+  ``valid_for - round trip`` more seconds: CMD runs (replacing the guard: stdin, stdout, stderr and
+  the exit code are CMD's own) only if that is positive. An answer that took longer than the
+  lease it vouches for is stale, and CMD is not run on it.
+
+Exit codes when CMD is not run, one line on stderr naming the task and why:
+
+- **77** (``EX_NOPERM``): the task is not yours any more — its lease is held by another token, the
+  task is finished, cancelled, queued again or gone, or the shift that ran it is gone. Do not
+  retry: stop working on the task.
+- **75** (``EX_TEMPFAIL``): could not confirm now — the database or the shift did not answer in
+  time, the answer came too late to be trusted, or the lease ran out and was not renewed yet (the
+  shift stops its agents before that can happen, see :mod:`worker.shift.fence`). Retry after a few
+  seconds; an agent that exits 75 itself hands its task off to the next shift.
 
 The answer is a check at that moment, not a lock: a lease lost while CMD runs is noticed at the
-shift's next heartbeat, which kills the agent's whole process group, CMD included.
+shift's next heartbeat, which kills the agent's whole process group, CMD included; and a shift
+that cannot renew its lease kills its agents before the lease could run out.
 
 How an agent finds ``fleet``: the shift's ``fleet`` console script may not be on the agent's PATH
 (cron's PATH is short, and the shift's virtualenv is not activated). The server's private
@@ -40,6 +55,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 from uuid import UUID
@@ -48,7 +64,8 @@ import structlog
 
 from worker.store.protocol import Store
 
-EX_NOPERM = 77  # sysexits.h: "permission denied" — the lease does not allow it
+EX_NOPERM = 77  # sysexits.h: "permission denied" — the task is not yours any more
+EX_TEMPFAIL = 75  # sysexits.h: "temporary failure" — the lease could not be confirmed now: retry
 SOCKET_NAME = "guard.sock"
 _PREFIX = "lanefleet-guard-"
 # AF_UNIX paths are at most 107 bytes (108 with the NUL); keep a margin
@@ -106,18 +123,21 @@ def sweep_stale(base: Path, min_age: float = 60.0) -> list[Path]:
 
 
 def check(store: Store, request: Any) -> dict[str, Any]:
-    """The answer to one request: ``{"held", "state", "error"}``. Never raises: whatever went
-    wrong is "not held", with the reason."""
+    """The answer to one request: ``{"held", "state", "valid_for", "error"}``. Never raises:
+    whatever went wrong is "not confirmed", with the reason."""
     try:
         task = int(request["task"])
         token = UUID(str(request["token"]))
     except (TypeError, KeyError, ValueError) as exc:
-        return {"held": False, "state": None, "error": f"bad request ({exc!r}): send {{\"task\": id, \"token\": uuid}}"}
+        return {"held": False, "state": None, "valid_for": 0.0,
+                "error": f"bad request ({exc!r}): send {{\"task\": id, \"token\": uuid}}"}
     try:
-        held, state = store.lease_held(task, token)
+        answer = store.lease_held(task, token)
     except Exception as exc:  # a database error, a refused key: either way, the lease is not confirmed
-        return {"held": False, "state": None, "error": " ".join(str(exc).split())[:500] or type(exc).__name__}
-    return {"held": held, "state": state, "error": None}
+        return {"held": False, "state": None, "valid_for": 0.0,
+                "error": " ".join(str(exc).split())[:500] or type(exc).__name__}
+    return {"held": answer.held, "state": answer.state, "valid_for": answer.valid_for,
+            "token_matches": answer.token_matches, "error": None}
 
 
 class _Server(socketserver.ThreadingUnixStreamServer):
@@ -146,7 +166,8 @@ class _Handler(socketserver.StreamRequestHandler):
             request = None
         answer = check(guard.store, request)
         guard.log.info("guard asked", task=request.get("task") if isinstance(request, dict) else None,
-                       held=answer["held"], state=answer["state"], error=answer["error"])
+                       held=answer["held"], state=answer["state"], valid_for=answer["valid_for"],
+                       error=answer["error"])
         with contextlib.suppress(OSError):  # the client gave up waiting
             self.wfile.write(json.dumps(answer).encode() + b"\n")
 
@@ -284,31 +305,46 @@ def ask(socket_path: str, task: int, token: str, timeout: float) -> dict[str, An
     return answer
 
 
-def refusal(answer: dict[str, Any]) -> str:
-    """Why a lease does not hold, in words, from the guard's answer."""
+def verdict(answer: dict[str, Any], round_trip: float) -> tuple[int | None, str]:
+    """What an answer allows, given the round trip (seconds, monotonic) it took: (None, "") to run
+    CMD, else (exit code, why). The database measured ``valid_for`` from a moment after the
+    question left, so the lease holds at least ``valid_for - round_trip`` seconds more."""
     if answer.get("error"):
-        return f"the lease could not be confirmed ({answer['error']})"
+        return EX_TEMPFAIL, f"the lease could not be confirmed now ({answer['error']}); retry"
     state = answer.get("state")
+    if answer.get("held") is True:
+        try:
+            valid_for = float(answer.get("valid_for"))  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return EX_TEMPFAIL, "the shift's answer says nothing of how long the lease holds; retry"
+        if round_trip < valid_for:
+            return None, ""
+        return EX_TEMPFAIL, (f"the answer took {round_trip:.1f} s, longer than the {valid_for:.1f} s the lease "
+                             "held for when it was given: it is stale; retry")
+    if state == "running" and answer.get("token_matches") is True:
+        return EX_TEMPFAIL, ("the lease ran out and its shift has not renewed it yet (the shift stops its agents "
+                             "before a repair can take the task); retry")
     if state == "running":
-        return "lease lost: its lease expired or another worker holds the task now"
+        return EX_NOPERM, "lease lost: its lease was repaired and another worker holds the task now"
     if state == "unknown":
-        return "lease lost: the task no longer exists"
-    return f"lease lost: the task is {state} now"
+        return EX_NOPERM, "lease lost: the task no longer exists"
+    return EX_NOPERM, f"lease lost: the task is {state} now"
 
 
 def run_guarded(cmd: list[str], *, task: str | None, token: str | None, socket_path: str | None,
-                timeout: float, quiet: bool) -> int:
+                timeout: float, quiet: bool, clock: Callable[[], float] = time.monotonic) -> int:
     """``fleet guard``: run CMD in this process (it never returns then) if the shift's guard says
-    the task's lease holds; else the exit code to end with (77, and one line on stderr unless
-    ``quiet``; 127 or 126 when CMD cannot be run)."""
+    the task's lease holds for longer than the question took; else the exit code to end with (77:
+    not yours, 75: could not confirm now, see the module doc; one line on stderr unless ``quiet``;
+    127 or 126 when CMD cannot be run)."""
     what = shlex.join(cmd)
     if len(what) > 200:
         what = what[:197] + "..."
 
-    def refuse(why: str) -> int:
+    def refuse(why: str, code: int = EX_NOPERM) -> int:
         if not quiet:
-            print(f"fleet guard: {why}; `{what}` not run (exit {EX_NOPERM})", file=sys.stderr, flush=True)
-        return EX_NOPERM
+            print(f"fleet guard: {why}; `{what}` not run (exit {code})", file=sys.stderr, flush=True)
+        return code
 
     if not task or not token:
         return refuse("not inside a fleet task (FLEET_TASK_ID and FLEET_LEASE_TOKEN are not set)")
@@ -320,16 +356,18 @@ def run_guarded(cmd: list[str], *, task: str | None, token: str | None, socket_p
         return refuse(f"not inside a fleet task (FLEET_TASK_ID is {task!r}, not a task id)")
     if not socket_path:
         return refuse(f"{name}: the shift is gone or runs no guard (FLEET_GUARD_SOCKET is not set)")
+    asked = clock()
     try:
         answer = ask(socket_path, task_id, token, timeout)
     except TimeoutError:
-        return refuse(f"{name}: the shift did not answer within {timeout:g} s")
+        return refuse(f"{name}: the shift did not answer within {timeout:g} s; retry", EX_TEMPFAIL)
     except (FileNotFoundError, ConnectionRefusedError):
         return refuse(f"{name}: the shift is gone (nothing answers at {socket_path})")
     except (OSError, ValueError) as exc:
-        return refuse(f"{name}: the shift's guard could not be asked ({exc})")
-    if answer.get("held") is not True:
-        return refuse(f"{name}: {refusal(answer)}")
+        return refuse(f"{name}: the shift's guard could not be asked ({exc}); retry", EX_TEMPFAIL)
+    code, why = verdict(answer, clock() - asked)
+    if code is not None:
+        return refuse(f"{name}: {why}", code)
     sys.stdout.flush()
     sys.stderr.flush()
     try:

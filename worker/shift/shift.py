@@ -38,6 +38,7 @@ from worker.models import LaneHandoff, Task
 from worker.proc import process_start_time
 from worker.shift.batch import BatchRunner
 from worker.shift.dispatch import Dispatch, banner, classify_gate, resolve
+from worker.shift.fence import Fence, term_window
 from worker.shift.guard import GuardServer
 from worker.shift.limits import judge
 from worker.shift.progress import Marks, over_budget, progress_marks, waiting_for
@@ -70,6 +71,7 @@ class Job:
     dispatch: Dispatch  # what this attempt runs with (profile, tier, model, command)
     killed: str | None = None  # 'lost' | 'cancelled': the lease is gone, write nothing more
     stopping: bool = False  # the shift is ending and asked this agent to stop
+    fenced: bool = False  # the shift's lease was not renewed in time: stopped, to be handed off
     checkpoint_mtime: float | None = None
     checkpoint: Any = None
     # the verify gate runs in ``agent``'s place once the agent exited 0 (or at once, for a task an
@@ -136,6 +138,9 @@ class Shift:
         self.poll_seconds = poll_seconds
         self.host = host or socket.gethostname()
         self.heartbeat_every = max(0.5, self.lane.lease_seconds / 3)
+        # the seconds a heartbeat or a claim makes the session's lease hold (the database says so
+        # at each heartbeat; until the first, the lane's own settings)
+        self._grant = float(min(self.lane.lease_seconds, self.lane.session_timeout_seconds or self.lane.lease_seconds))
         self.workspaces = cfg.path(cfg.fleet.workspaces)
         self.jobs: dict[int, Job] = {}
         # claimed batch carriers (task kind 'batch'), each run by its state machine (worker.shift.batch)
@@ -189,12 +194,16 @@ class Shift:
         # `fleet guard` in an agent asks it whether the task's lease still holds (never raises)
         self._guard = GuardServer(self.store, log=self.log)
         self._guard.start()
+        # stops the agents before the lease could run out, whatever the main loop is blocked in
+        self._fence = Fence(self._fence_agents, term_window=term_window(self.lane.lease_seconds,
+                                                                        self.lane.grace_seconds), log=self.log)
+        self._fence.start()
         # what this lane's agents run, resolved exactly as a spawn resolves it (`fleet profiles`)
         self.log.info("dispatch", dispatch=banner(self.cfg, self.lane_name),
                       verify=" ".join(self.lane.verify) if self.lane.verify else None)
         self.deadline = time.monotonic() + self.max_seconds
         self.deadline_at = datetime.now(UTC) + timedelta(seconds=self.max_seconds)
-        next_heartbeat = time.monotonic() + self.heartbeat_every
+        next_heartbeat = time.monotonic()  # at once: the database says how long its lease holds
         try:
             try:
                 self._lane_handoff = self.store.last_lane_handoff(self.lane_name)
@@ -246,6 +255,7 @@ class Shift:
         if not self.once and now < self._next_claim and busy >= self._busy_at_empty:
             return []  # the queue was empty a moment ago and no slot was freed since
         self._compose_batch()
+        sent = time.monotonic()
         try:
             tasks = self.store.claim(self.session, free)
         except SessionLost:
@@ -254,6 +264,7 @@ class Shift:
         except DatabaseUnavailable as exc:
             self.log.warning("claim failed; will try again", error=str(exc))
             return []
+        self._fence.renewed(sent, self._grant)  # a claim renews the session's lease (before any agent starts)
         if tasks:
             self._claim_delay, self._next_claim = self.poll_seconds, 0.0
         else:
@@ -594,8 +605,10 @@ class Shift:
             state = self._call(tid, lambda: self.store.block(tid, token, "budget", over), "blocked")
             log.warning("blocked: the run crossed the task's budget", spent=over, state=state)
             return
-        if code == EX_TEMPFAIL or (job.stopping and code != 0):
-            why = "agent asked to hand off (exit 75)" if code == EX_TEMPFAIL else f"shift ended ({self._stop_reason})"
+        if code == EX_TEMPFAIL or ((job.stopping or job.fenced) and code != 0):
+            why = ("agent asked to hand off (exit 75)" if code == EX_TEMPFAIL
+                   else "stopped before the shift's lease could run out (it could not be renewed in time)"
+                   if job.fenced and not job.stopping else f"shift ended ({self._stop_reason})")
             snap = self._snapshot(job, why, code, reading.session_id)
             self._git_push(job, commit_wip=True)
             state = self._call(tid, lambda: self.store.hand_off(tid, token, snap), "handed_off")
@@ -683,8 +696,10 @@ class Shift:
             self.count(job.killed)
             return
         self._touch_workspace(job.task, job.ws)
-        if job.stopping and code != 0:  # the shift ended under the gate: the next shift re-runs it
-            snap = self._snapshot(job, f"shift ended during the verify gate ({self._stop_reason})", code, None)
+        if (job.stopping or job.fenced) and code != 0:  # stopped under the gate: the next shift re-runs it
+            why = ("stopped during the verify gate before the shift's lease could run out" if job.fenced
+                   and not job.stopping else f"shift ended during the verify gate ({self._stop_reason})")
+            snap = self._snapshot(job, why, code, None)
             tid, token = job.task.id, job.token
             self._call(tid, lambda: self.store.hand_off(tid, token, snap), "handed_off")
             return
@@ -728,6 +743,7 @@ class Shift:
         try:
             progressed += [tid for tid, runner in self.batches.items() if runner.progressed()]
             attention.update({tid: w for tid, runner in self.batches.items() if (w := runner.attention())})
+            sent = time.monotonic()
             statuses = self.store.heartbeat(self.session, [*self.jobs, *self.pending, *self.batches], progressed,
                                             attention)
         except SessionLost as exc:
@@ -739,8 +755,12 @@ class Shift:
                 runner.lease_gone("lost")
             return
         except DatabaseUnavailable as exc:
-            self.log.warning("heartbeat failed; will try again", error=str(exc))
+            self.log.warning("heartbeat failed; will try again", error=str(exc),
+                             lease_left=_rounded(self._fence.remaining()))
             return
+        if statuses.valid_for is not None:
+            self._grant = statuses.valid_for
+            self._fence.renewed(sent, statuses.valid_for)
         for task_id, job in self.jobs.items():
             status = statuses.get(task_id, "lost")
             if status != "ok":
@@ -751,6 +771,21 @@ class Shift:
             status = statuses.get(task_id, "lost")
             if status != "ok":
                 runner.lease_gone(status)
+
+    def _fence_agents(self, stage: str, first: bool) -> None:
+        """The fence's order (from its thread): 'term' asks every agent to stop (once), 'kill' kills
+        them. Their jobs are handed off when they exit; batches hand their carrier off."""
+        for job in _values(self.jobs):
+            job.fenced = True
+            if stage == "kill":
+                job.agent.kill()
+            elif first:
+                job.agent.terminate()
+        for runner in _values(self.batches):
+            if stage == "kill":
+                runner.kill()
+            elif first:
+                runner.stop()
 
     # -- the end of the shift
 
@@ -803,7 +838,21 @@ class Shift:
         except FleetError as exc:
             self.log.error("could not close the session", error=str(exc))
         self.log.info("shift ended", reason=reason, claimed=self.summary.claimed, **self.summary.outcomes)
+        self._fence.stop()
         self._guard.stop()  # last: an agent's `fleet guard` now finds no shift, and refuses
+
+
+def _values(d: dict[int, Any]) -> list[Any]:
+    """The values of a dict the main loop may change meanwhile (from another thread)."""
+    while True:
+        try:
+            return list(d.values())
+        except RuntimeError:  # pragma: no cover - changed size during the copy
+            continue
+
+
+def _rounded(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
 
 
 def _gate_log(log_path: Path) -> Path:

@@ -13,6 +13,7 @@ A constraint violation or an ``LF`` error is never retried.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -20,6 +21,7 @@ from typing import Any, LiteralString
 from uuid import UUID
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool, PoolTimeout
@@ -38,7 +40,7 @@ from worker.errors import (
     FleetError,
     InvalidInput,
 )
-from worker.models import RepairAction, Task
+from worker.models import Heartbeat, LeaseAnswer, RepairAction, Task
 from worker.store.protocol import BATCH_FUNCTIONS, CompleteItem, bulk_tasks
 from worker.store.reads import NamedReads, queries
 
@@ -62,6 +64,28 @@ def translate(exc: psycopg.Error) -> Exception:
     return exc
 
 
+def deadlines(url: str, budget: float, *, pooler: bool) -> dict[str, Any]:
+    """libpq settings so that no call of a connection blocks much past ``budget`` seconds, even on
+    a network that silently drops everything (a partition sends no reset): a connect timeout; a TCP
+    user timeout (data sent and not acknowledged for that long closes the connection); keepalives
+    probing an idle connection every second, so that an answer lost on the way is noticed too; and a
+    statement timeout on the server. Not the statement timeout through a pooler in transaction mode,
+    which would keep it for other clients' sessions: there the TCP settings alone bound a call."""
+    ms = max(1000, int(budget * 1000))
+    out: dict[str, Any] = {
+        "connect_timeout": max(2, math.ceil(budget)),  # libpq's smallest
+        "tcp_user_timeout": ms,
+        "keepalives": 1,
+        "keepalives_idle": max(1, int(budget / 2)),
+        "keepalives_interval": 1,
+        "keepalives_count": 2,
+    }
+    if not pooler:
+        given = conninfo_to_dict(url).get("options") or ""
+        out["options"] = f"{given} -c statement_timeout={ms}".strip()
+    return out
+
+
 class _Transient(Exception):
     """A connection failure that is safe to retry."""
 
@@ -80,6 +104,8 @@ class PostgresStore(NamedReads):
         kwargs: dict[str, Any] = {"autocommit": True, "row_factory": dict_row}
         if pooler:
             kwargs["prepare_threshold"] = None  # no server-side prepared statements through a pooler
+        if call_budget is not None:
+            kwargs.update(deadlines(url, call_budget, pooler=pooler))
         self.pool: ConnectionPool[Any] = ConnectionPool(
             url, kwargs=kwargs, min_size=min_size, max_size=max_size, open=False,
             check=ConnectionPool.check_connection, timeout=timeout, name="lanefleet",
@@ -189,15 +215,16 @@ class PostgresStore(NamedReads):
         return [Task.model_validate(r) for r in rows]
 
     def heartbeat(self, session: UUID, tasks: list[int] | None = None, progressed: list[int] | None = None,
-                  attention: dict[int, str] | None = None) -> dict[int, str]:
-        """Renew the session's leases: those of ``tasks`` (the others it holds are released), or
-        all of them when ``tasks`` is None. ``progressed``: tasks whose agent made progress since
-        the last heartbeat; ``attention``: agents waiting on a question or a prompt (the others'
-        flags are cleared). Task id → ok | lost | cancelled | stalled."""
-        rows = self._run("select task_id, status from fleet.heartbeat(%s, %s::bigint[], %s::bigint[], %s)",
-                         (session, tasks, progressed,
-                          _json({str(k): v for k, v in attention.items()}) if attention is not None else None))
-        return {int(r["task_id"]): str(r["status"]) for r in rows}
+                  attention: dict[int, str] | None = None) -> Heartbeat:
+        """Renew the session's lease, which every task it holds follows: ``tasks`` are the ones it
+        runs (the others it holds are released; None: all of them). ``progressed``: tasks whose
+        agent made progress since the last heartbeat; ``attention``: agents waiting on a question
+        or a prompt (the others' flags are cleared). Task id → ok | lost | cancelled | stalled, and
+        how long the lease holds (:class:`~worker.models.Heartbeat`)."""
+        return Heartbeat.of_rows(self._run(
+            "select task_id, status, valid_for from fleet.heartbeat(%s, %s::bigint[], %s::bigint[], %s)",
+            (session, tasks, progressed,
+             _json({str(k): v for k, v in attention.items()}) if attention is not None else None)))
 
     def stalled_tasks(self) -> list[dict[str, Any]]:
         """Running tasks without progress for their lane's stall_seconds, and agents waiting on a
@@ -219,11 +246,12 @@ class PostgresStore(NamedReads):
     def review_reject(self, task: int, note: str) -> str:
         return str(self._one("select fleet.review_reject(%s, %s)", (task, note), idempotent=False))
 
-    def lease_held(self, task: int, token: UUID) -> tuple[bool, str]:
-        """(held, the task's state) at this moment, by the database's clock: held only while the task
-        runs under ``token`` and its lease has not expired. Read only (what ``fleet guard`` asks)."""
-        rows = self._run("select held, state from fleet.lease_held(%s, %s)", (task, token))
-        return bool(rows[0]["held"]), str(rows[0]["state"])
+    def lease_held(self, task: int, token: UUID) -> LeaseAnswer:
+        """(held, the task's state, seconds it still holds) at this moment, by the database's
+        clock: held only while the task runs under ``token``, its session is active and its lease
+        has not run out. Read only (what ``fleet guard`` asks)."""
+        return LeaseAnswer.of_row(self._run("select held, state, valid_for, token_matches from fleet.lease_held(%s, %s)",
+                                            (task, token))[0])
 
     def checkpoint(self, task: int, token: UUID, data: Any) -> int:
         return int(self._one("select fleet.checkpoint(%s, %s, %s)", (task, token, _json(data))))

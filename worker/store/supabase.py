@@ -44,7 +44,7 @@ from worker.errors import (
     InvalidInput,
     MigrationError,
 )
-from worker.models import RepairAction, Task
+from worker.models import Heartbeat, LeaseAnswer, RepairAction, Task
 from worker.store.protocol import BATCH_FUNCTIONS, CompleteItem, bulk_tasks
 from worker.store.reads import NamedReads
 
@@ -236,12 +236,12 @@ class SupabaseStore(NamedReads):
         return [Task.model_validate(r) for r in rows or []]
 
     def heartbeat(self, session: UUID, tasks: list[int] | None = None, progressed: list[int] | None = None,
-                  attention: dict[int, str] | None = None) -> dict[int, str]:
-        """Renew the session's leases (see :meth:`worker.store.postgres.PostgresStore.heartbeat`)."""
+                  attention: dict[int, str] | None = None) -> Heartbeat:
+        """Renew the session's lease (see :meth:`worker.store.postgres.PostgresStore.heartbeat`)."""
         rows = self._rpc("heartbeat", {"p_session": str(session), "p_tasks": tasks, "p_progressed": progressed,
                                        "p_attention": ({str(k): v for k, v in attention.items()}
                                                        if attention is not None else None)})
-        return {int(r["task_id"]): str(r["status"]) for r in rows or []}
+        return Heartbeat.of_rows(rows or [])
 
     def stalled_tasks(self) -> list[dict[str, Any]]:
         return [dict(r) for r in self._rpc("stalled_tasks", {}) or []]
@@ -260,10 +260,9 @@ class SupabaseStore(NamedReads):
     def review_reject(self, task: int, note: str) -> str:
         return str(self._rpc("review_reject", {"p_task": task, "p_note": note}, idempotent=False))
 
-    def lease_held(self, task: int, token: UUID) -> tuple[bool, str]:
+    def lease_held(self, task: int, token: UUID) -> LeaseAnswer:
         """See :meth:`worker.store.postgres.PostgresStore.lease_held`."""
-        rows = self._rpc("lease_held", {"p_task": task, "p_token": str(token)})
-        return bool(rows[0]["held"]), str(rows[0]["state"])
+        return LeaseAnswer.of_row(self._rpc("lease_held", {"p_task": task, "p_token": str(token)})[0])
 
     def checkpoint(self, task: int, token: UUID, data: Any) -> int:
         return int(self._rpc("checkpoint", {"p_task": task, "p_token": str(token), "p_data": data}))
