@@ -1,5 +1,6 @@
-"""Fenced side effects: ``fleet guard -- CMD`` runs CMD only while the task's
-lease holds, asked of the database at that moment through the shift; else exit 77 and CMD never runs.
+"""Fenced side effects: ``fleet guard -- CMD`` runs CMD only while the task's lease holds, asked of
+the database at that moment through the shift, for longer than the question took; else CMD never
+runs and the guard exits 77 (not yours any more) or 75 (could not confirm now: retry).
 
 The end-to-end tests run a real shift (both back-ends) whose agent, a small script written into the
 test's folder, calls ``fleet guard`` the way an agent would — found on its PATH, which the test
@@ -27,8 +28,9 @@ import pytest
 from fleetkit import ROOT, Backend, Fleet, lane_defaults, wait_for
 
 from worker.errors import DatabaseUnavailable
+from worker.models import LeaseAnswer
 from worker.shift import guard as guard_mod
-from worker.shift.guard import EX_NOPERM, GuardServer, ask, private_run_dir
+from worker.shift.guard import EX_NOPERM, EX_TEMPFAIL, GuardServer, ask, private_run_dir, verdict
 from worker.shift.shift import Shift, ShiftSummary
 
 # The scripted agent: two guarded commands while the lease holds (one exits 0, one exits 3), then it
@@ -117,10 +119,11 @@ def write_marker(path: Path, code: int = 0) -> list[str]:
 
 
 REPAIRS = {
-    # how the lease is taken away while the agent runs → what the refusal must say
-    "cancelled": "the task is cancelled now",
-    "session-lost": "the task is queued now",  # the monitor's repair: the task went back to the queue
-    "expired": "its lease expired",  # not repaired yet: the database's clock alone says no
+    # how the lease is taken away while the agent runs → (exit code, what the refusal must say)
+    "cancelled": (EX_NOPERM, "the task is cancelled now"),
+    "session-lost": (EX_NOPERM, "the task is queued now"),  # the monitor's repair: back to the queue
+    # run out by the database's clock, not repaired yet: the shift could still renew it
+    "expired": (EX_TEMPFAIL, "the lease ran out and its shift has not renewed it yet"),
 }
 
 
@@ -141,6 +144,8 @@ def test_guard_runs_the_command_while_the_lease_holds_and_refuses_after_it_is_re
     try:
         task_id = f.enqueue("work", "guarded:1", {"dir": str(out)})
         shift = f.shift("work", max_tasks=1, max_seconds=90)
+        if repair == "expired":
+            shift.heartbeat_every = 3600  # its first heartbeat only: no renewal after the test ages it
         thread, res = run_in_thread(shift)
         wait_for("the agent's guarded commands", lambda: (out / "phase1").exists() or not thread.is_alive(),
                  timeout=60)
@@ -165,16 +170,18 @@ def test_guard_runs_the_command_while_the_lease_holds_and_refuses_after_it_is_re
             f.sql("select * from fleet.declare_session_lost(%s, 'test: the host vanished')", (shift.session,))
             assert f.task(task_id)["state"] == "queued"
         else:
-            f.sql("update fleet.tasks set lease_expires_at = now() - interval '1 second' where id = %s",
-                  (task_id,))
+            # the lease follows the session: its last heartbeat a lease and a second ago
+            f.sql("update fleet.sessions set heartbeat_at = now() - interval '61 seconds' where id = %s",
+                  (shift.session,))
         (out / "go").write_text("go")
         wait_for("the agent's guarded command after the repair", lambda: (out / "phase2").exists(), timeout=60)
         third = result(out, 3)
-        assert third["rc"] == EX_NOPERM, third
+        code, says = REPAIRS[repair]
+        assert third["rc"] == code, third
         assert not (out / "marker-3").exists()
         assert f"task {task_id} (guarded:1)" in third["stderr"], third["stderr"]
-        assert REPAIRS[repair] in third["stderr"], third["stderr"]
-        assert "not run (exit 77)" in third["stderr"] and third["stderr"].count("\n") == 1
+        assert says in third["stderr"], third["stderr"]
+        assert f"not run (exit {code})" in third["stderr"] and third["stderr"].count("\n") == 1
         assert third["stdout"] == ""
 
         summary = joined(thread, res)
@@ -210,15 +217,21 @@ def test_outside_a_task_or_without_a_shift_guard_refuses_with_77(tmp_path: Path)
     assert not marker.exists()
 
 
-class FakeStore:
-    """lease_held answers what the test says (or raises it); every call is recorded."""
+HELD = LeaseAnswer(True, "running", 30.0, True)
 
-    def __init__(self, answer: Any) -> None:
+
+class FakeStore:
+    """lease_held answers what the test says (or raises it), after ``delay`` seconds; every call is
+    recorded."""
+
+    def __init__(self, answer: Any, delay: float = 0.0) -> None:
         self.answer = answer
+        self.delay = delay
         self.calls: list[tuple[int, uuid.UUID]] = []
 
-    def lease_held(self, task: int, token: uuid.UUID) -> tuple[bool, str]:
+    def lease_held(self, task: int, token: uuid.UUID) -> LeaseAnswer:
         self.calls.append((task, token))
+        time.sleep(self.delay)
         if isinstance(self.answer, BaseException):
             raise self.answer
         return self.answer  # type: ignore[no-any-return]
@@ -235,7 +248,7 @@ def deep_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_guard_server_socket_is_private_short_and_removed_on_stop(deep_tmp: Path) -> None:
     assert tempfile.gettempdir() == str(deep_tmp)
-    server = GuardServer(FakeStore((True, "running")))  # type: ignore[arg-type]
+    server = GuardServer(FakeStore(HELD))  # type: ignore[arg-type]
     server.start()
     try:
         assert server.running and server.socket_path is not None
@@ -249,7 +262,8 @@ def test_guard_server_socket_is_private_short_and_removed_on_stop(deep_tmp: Path
         assert env["PATH"] == f"{sock.parent / 'bin'}{os.pathsep}/usr/bin"
         assert server.agent_env(None, None)["PATH"] == f"{sock.parent / 'bin'}{os.pathsep}{os.defpath}"
         assert os.path.realpath(sock.parent / "bin" / "fleet") == os.path.realpath(env["FLEET_BIN"])
-        assert ask(str(sock), 1, str(uuid.UUID(int=7)), 5) == {"held": True, "state": "running", "error": None}
+        assert ask(str(sock), 1, str(uuid.UUID(int=7)), 5) == {"held": True, "state": "running", "valid_for": 30.0,
+                                                              "token_matches": True, "error": None}
     finally:
         server.stop()
     assert not sock.exists() and not sock.parent.exists()
@@ -258,7 +272,7 @@ def test_guard_server_socket_is_private_short_and_removed_on_stop(deep_tmp: Path
 
 
 def test_guard_passes_the_command_through_when_held(tmp_path: Path) -> None:
-    store = FakeStore((True, "running"))
+    store = FakeStore(HELD)
     server = GuardServer(store, tmp_path / "g.sock")  # type: ignore[arg-type]
     server.start()
     try:
@@ -286,14 +300,17 @@ def test_guard_passes_the_command_through_when_held(tmp_path: Path) -> None:
     assert not (tmp_path / "late").exists()
 
 
-@pytest.mark.parametrize(("answer", "says"), [
-    (DatabaseUnavailable("the database is unreachable: connection refused"),
-     "the lease could not be confirmed (the database is unreachable: connection refused)"),
-    ((False, "running"), "lease lost: its lease expired or another worker holds the task now"),
-    ((False, "done"), "lease lost: the task is done now"),
-    ((False, "unknown"), "lease lost: the task no longer exists"),
+@pytest.mark.parametrize(("answer", "code", "says"), [
+    (DatabaseUnavailable("the database is unreachable: connection refused"), EX_TEMPFAIL,
+     "the lease could not be confirmed now (the database is unreachable: connection refused); retry"),
+    (LeaseAnswer(False, "running", 0.0, False), EX_NOPERM,
+     "lease lost: its lease was repaired and another worker holds the task now"),
+    (LeaseAnswer(False, "running", 0.0, True), EX_TEMPFAIL,
+     "the lease ran out and its shift has not renewed it yet"),
+    (LeaseAnswer(False, "done", 0.0, False), EX_NOPERM, "lease lost: the task is done now"),
+    (LeaseAnswer(False, "unknown", 0.0, False), EX_NOPERM, "lease lost: the task no longer exists"),
 ])
-def test_guard_refuses_when_not_held_or_unknown(tmp_path: Path, answer: Any, says: str) -> None:
+def test_guard_refuses_when_not_held_or_unknown(tmp_path: Path, answer: Any, code: int, says: str) -> None:
     server = GuardServer(FakeStore(answer), tmp_path / "g.sock")  # type: ignore[arg-type]
     server.start()
     try:
@@ -301,17 +318,60 @@ def test_guard_refuses_when_not_held_or_unknown(tmp_path: Path, answer: Any, say
         env = bare_env(FLEET_TASK_ID="12", FLEET_LEASE_TOKEN=str(uuid.uuid4()),
                        FLEET_GUARD_SOCKET=str(tmp_path / "g.sock"))
         p = fleet_guard("--", *write_marker(marker), env=env)
-        assert p.returncode == EX_NOPERM
-        assert p.stderr.startswith(f"fleet guard: task 12: {says}; "), p.stderr
+        assert p.returncode == code
+        assert p.stderr.startswith(f"fleet guard: task 12: {says}"), p.stderr
+        assert p.stderr.endswith(f"not run (exit {code})\n"), p.stderr
         assert not marker.exists()
     finally:
         server.stop()
 
 
+def test_an_answer_slower_than_the_lease_it_vouches_for_is_not_acted_on(tmp_path: Path) -> None:
+    # held, 1.5 s left when the database answered; the answer took 2 s to arrive: stale
+    server = GuardServer(FakeStore(LeaseAnswer(True, "running", 1.5, True), delay=2.0), tmp_path / "g.sock")  # type: ignore[arg-type]
+    server.start()
+    try:
+        marker = tmp_path / "marker"
+        env = bare_env(FLEET_TASK_ID="12", FLEET_LEASE_TOKEN=str(uuid.uuid4()),
+                       FLEET_GUARD_SOCKET=str(tmp_path / "g.sock"))
+        p = fleet_guard("--", *write_marker(marker), env=env)
+        assert p.returncode == EX_TEMPFAIL, p.stderr
+        assert "longer than the 1.5 s the lease held for when it was given: it is stale; retry" in p.stderr
+        assert not marker.exists()
+        # the same answer given at once is acted on
+        server.store = FakeStore(LeaseAnswer(True, "running", 1.5, True))  # type: ignore[assignment]
+        p = fleet_guard("--", *write_marker(marker), env=env)
+        assert (p.returncode, p.stdout) == (0, "ran\n"), p.stderr
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(("valid_for", "round_trip", "runs"), [
+    (10.0, 0.01, True), (10.0, 9.99, True), (10.0, 10.0, False), (10.0, 15.0, False), (0.0, 0.0, False),
+])
+def test_the_validity_arithmetic(valid_for: float, round_trip: float, runs: bool) -> None:
+    answer = {"held": True, "state": "running", "valid_for": valid_for, "token_matches": True, "error": None}
+    code, why = verdict(answer, round_trip)
+    assert (code is None) is runs, why
+    if not runs:
+        assert code == EX_TEMPFAIL and "stale" in why
+
+
+def test_run_guarded_times_the_round_trip_on_its_own_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a frozen clock that moves only while the question is out: 12 s pass, the lease had 10
+    ticks = iter([100.0, 112.0])
+    monkeypatch.setattr(guard_mod, "ask", lambda *a: {"held": True, "state": "running", "valid_for": 10.0,
+                                                      "token_matches": True, "error": None})
+    marker = tmp_path / "marker"
+    code = guard_mod.run_guarded(write_marker(marker), task="5", token=str(uuid.uuid4()), socket_path="/x",
+                                 timeout=20, quiet=True, clock=lambda: next(ticks))
+    assert code == EX_TEMPFAIL and not marker.exists()
+
+
 def test_guard_server_answers_a_bad_request_with_not_held(tmp_path: Path) -> None:
     import socket
 
-    store = FakeStore((True, "running"))
+    store = FakeStore(HELD)
     server = GuardServer(store, tmp_path / "g.sock")  # type: ignore[arg-type]
     server.start()
     try:
@@ -360,7 +420,7 @@ def test_run_dirs_of_dead_shifts_are_swept_and_no_other(tmp_path: Path) -> None:
         foreign = run_dir("lanefleet-guard-foreign1", extra="notes.txt")
         other = run_dir("lanefleet-other-dead0001")
         (base / "lanefleet-guard-afile").write_text("a file")
-        live = GuardServer(FakeStore((True, "running")), base / "lanefleet-guard-live0001" / "guard.sock")  # type: ignore[arg-type]
+        live = GuardServer(FakeStore(HELD), base / "lanefleet-guard-live0001" / "guard.sock")  # type: ignore[arg-type]
         live.start()
         try:
             os.utime(base / "lanefleet-guard-live0001", (old, old))

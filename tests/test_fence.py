@@ -1,0 +1,110 @@
+"""The shift's self-fence (worker/shift/fence.py): the validity arithmetic on a frozen clock, and
+the thread acting on a real one. A real shift cut off from its database: tests/partition/."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from worker.shift.fence import MARGIN, Fence, term_window
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fence_on(clock: Clock, term: float = 1.0) -> tuple[Fence, list[tuple[str, bool]]]:
+    calls: list[tuple[str, bool]] = []
+    return Fence(lambda stage, first: calls.append((stage, first)), term_window=term, clock=clock), calls
+
+
+def test_the_lease_holds_from_the_moment_the_call_was_sent() -> None:
+    clock = Clock()
+    fence, calls = fence_on(clock)
+    assert fence.remaining() is None and fence.check() is None  # nothing granted: nothing to fence
+    # sent at 1000, answered at 1002.5 (a slow round trip) with 6 s: it holds until 1006, not 1008.5
+    clock.now = 1002.5
+    fence.renewed(1000.0, 6.0)
+    assert fence.until == 1006.0 and fence.remaining() == pytest.approx(3.5)
+    assert fence.term_at == pytest.approx(1006.0 - MARGIN - 1.0)
+    assert fence.kill_at == pytest.approx(1006.0 - MARGIN)
+    assert fence.check() == pytest.approx(fence.term_at - 1002.5) and calls == []
+
+
+def test_it_asks_the_agents_to_stop_then_kills_them_before_the_lease_runs_out() -> None:
+    clock = Clock()
+    fence, calls = fence_on(clock)
+    fence.renewed(1000.0, 6.0)
+    clock.now = 1004.4
+    fence.check()
+    assert calls == []
+    clock.now = 1004.6  # past term_at (1004.5)
+    wait = fence.check()
+    assert calls == [("term", True)] and wait == pytest.approx(1005.5 - 1004.6)
+    fence.check()
+    assert calls[-1] == ("term", False)  # asked once; later looks only mark what appeared
+    clock.now = 1005.5  # kill_at: half a second before the database could call it expired
+    fence.check()
+    assert calls[-1] == ("kill", True) and fence.stage == "kill"
+    clock.now = 1010.0
+    assert fence.check() == pytest.approx(0.1)  # and it goes on killing whatever appears
+    assert calls[-1] == ("kill", False)
+
+
+def test_a_renewal_lifts_it_and_an_older_grant_never_shortens_it() -> None:
+    clock = Clock()
+    fence, calls = fence_on(clock)
+    fence.renewed(1000.0, 6.0)
+    clock.now = 1005.6
+    fence.check()
+    assert fence.stage == "kill"
+    fence.renewed(1005.0, 6.0)  # a heartbeat got through: until 1011
+    assert fence.stage is None and fence.until == 1011.0
+    calls.clear()
+    fence.check()
+    assert calls == []
+    fence.renewed(1001.0, 6.0)  # a late answer to an earlier call
+    assert fence.until == 1011.0
+    # a renewal that leaves less than the term window keeps the agents stopping
+    clock.now = 1009.8
+    fence.check()
+    assert calls == [("term", True)]
+    fence.renewed(1004.0, 6.0)
+    assert fence.stage == "term"
+
+
+def test_the_term_window_is_a_sixth_of_the_lease_at_most_the_grace() -> None:
+    assert term_window(60, 20) == 10
+    assert term_window(6, 20) == 1
+    assert term_window(60, 3) == 3
+    assert term_window(60, 0) == 0
+
+
+def test_the_thread_acts_on_a_real_clock_while_nothing_else_runs() -> None:
+    # the main loop is "blocked" (this test sleeps): the fence's own thread stops the agents
+    done = threading.Event()
+    calls: list[tuple[str, float]] = []
+    start = time.monotonic()
+
+    def on_fence(stage: str, first: bool) -> None:
+        if first:
+            calls.append((stage, time.monotonic() - start))
+            if stage == "kill":
+                done.set()
+
+    fence = Fence(on_fence, term_window=0.3, margin=0.2)
+    fence.start()
+    try:
+        fence.renewed(start, 1.0)
+        assert done.wait(5)
+    finally:
+        fence.stop()
+    (term, t_term), (kill, t_kill) = calls
+    assert (term, kill) == ("term", "kill")
+    assert 0.5 - 0.05 <= t_term < 0.8 and 0.8 - 0.05 <= t_kill < 1.0, calls
