@@ -1,0 +1,1 @@
+"""Partition tests: network namespaces the tests make themselves (tests/partition/netns.py)."""
