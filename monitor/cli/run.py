@@ -47,6 +47,10 @@ def monitor(
     interval = flag_duration(every, "--every") if every is not None else None
     if once and interval:
         raise InvalidInput("--once and --every exclude each other")
+    from worker.logs import configure_logging
+
+    # on stderr: structlog's default would print a pass's warnings on stdout, amid the --json
+    configure_logging()
     r = rt(ctx)
     store = r.store()
     stop = threading.Event()
@@ -84,7 +88,7 @@ def run(
     from apscheduler.triggers.interval import IntervalTrigger
 
     from worker.config import cron_trigger
-    from worker.shift.shift import configure_logging
+    from worker.logs import configure_logging
 
     r = rt(ctx)
     configure_logging()
@@ -165,9 +169,10 @@ def up(
     """The main job: start (or reuse) the database, migrate, sync lanes, run every lane's shifts and the monitor."""
     import logging
 
-    import structlog
+    from worker.logs import configure_logging
 
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    # lanefleet's own warnings and errors only: the live table is the progress report
+    configure_logging(own_level=logging.WARNING)
     r: Runtime = rt(ctx)
     url = r.url  # starts or reuses the embedded server when no database is configured
     result = run_migrations(url)

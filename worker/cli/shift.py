@@ -21,7 +21,8 @@ def shift(
     json_logs: Annotated[bool | None, typer.Option("--json-logs/--text-logs", help="log format (default: JSON unless a terminal)")] = None,
 ) -> None:
     """Run one shift of a lane (what cron starts): claim, run agents, hand off at exit."""
-    from worker.shift.shift import Shift, call_budget, configure_logging
+    from worker.logs import configure_logging
+    from worker.shift.shift import Shift, call_budget
 
     r = rt(ctx)
     r.cfg.lane(lane)  # an unknown lane is an error before anything starts

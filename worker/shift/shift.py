@@ -108,21 +108,6 @@ def call_budget(lane: LaneConfig) -> float:
     return max(1.0, lane.lease_seconds / 3)
 
 
-def configure_logging(json_logs: bool | None = None) -> None:
-    """structlog: JSON lines when stderr is not a terminal, readable lines when it is."""
-    import sys
-
-    if json_logs is None:
-        json_logs = not sys.stderr.isatty()
-    renderer: Any = structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer()
-    structlog.configure(
-        processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="iso", utc=True), renderer],
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,
-    )
-
-
 class Shift:
     def __init__(self, store: Store, cfg: FleetConfig, lane: str, *, max_seconds: float | None = None,
                  max_tasks: int | None = None, slots: int | None = None, once: bool = False,
