@@ -189,6 +189,8 @@ class Relay:
         self.port = 0
         self.accepted = 0  # connections accepted so far (a kernel cut keeps new ones from arriving)
         self._delay = 0.0
+        self._trap: tuple[bytes, float] | None = None  # (what a client sends, how long its answer waits)
+        self.trapped = 0  # answers delayed by a trap so far
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name=f"relay-{listen_host}")
@@ -214,6 +216,15 @@ class Relay:
         if seconds < 0:
             raise ValueError("a delay is never negative")
         self._delay = float(seconds)
+
+    def delay_answer_to(self, pattern: bytes, seconds: float) -> None:
+        """Once: on the connection whose client next sends bytes holding ``pattern`` (a query's
+        text, e.g. ``b"fleet.lease_held("``), what the server sends back is held until ``seconds``
+        after that request passed — one chosen call's answer delayed in flight, every other
+        connection untouched (the protocol-aware delay of issue #18)."""
+        if seconds < 0:
+            raise ValueError("a delay is never negative")
+        self._trap = (pattern, float(seconds))
 
     def hold(self) -> None:
         """Forward nothing either way, and connect new clients to nothing, until :meth:`release`."""
@@ -258,8 +269,9 @@ class Relay:
             else:
                 ur, upstream = await asyncio.open_connection(*self.target)
             self._writers.add(upstream)
-            pumps = {asyncio.create_task(self._up(reader, upstream)),
-                     asyncio.create_task(self._down(ur, writer))}
+            hold_until = [0.0]  # loop time before which this connection's answers wait (a trap)
+            pumps = {asyncio.create_task(self._up(reader, upstream, hold_until)),
+                     asyncio.create_task(self._down(ur, writer, hold_until))}
             try:
                 _, pending = await asyncio.wait(pumps, return_when=asyncio.FIRST_EXCEPTION)
                 if pending:  # one side broke: the other end learns it by its socket's closing
@@ -278,16 +290,23 @@ class Relay:
                     self._writers.discard(w)
             self._tasks.discard(task)  # type: ignore[arg-type]
 
-    async def _up(self, reader: asyncio.StreamReader, upstream: asyncio.StreamWriter) -> None:
+    async def _up(self, reader: asyncio.StreamReader, upstream: asyncio.StreamWriter,
+                  hold_until: list[float]) -> None:
         assert self._flowing is not None
+        loop = asyncio.get_running_loop()
         while data := await reader.read(65536):
+            if (trap := self._trap) is not None and trap[0] in data:
+                self._trap = None
+                self.trapped += 1
+                hold_until[0] = loop.time() + trap[1]
             await self._flowing.wait()
             upstream.write(data)
             await upstream.drain()
         if upstream.can_write_eof():
             upstream.write_eof()
 
-    async def _down(self, upstream: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _down(self, upstream: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    hold_until: list[float]) -> None:
         assert self._flowing is not None
         loop = asyncio.get_running_loop()
         held: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
@@ -309,7 +328,7 @@ class Relay:
         sender = asyncio.create_task(forward())
         try:
             while data := await upstream.read(65536):
-                held.put_nowait((loop.time() + self._delay, data))
+                held.put_nowait((max(loop.time() + self._delay, hold_until[0]), data))
             held.put_nowait((0.0, b""))
             await sender
         finally:

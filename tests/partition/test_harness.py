@@ -196,6 +196,22 @@ def test_delay_replies_holds_an_answer_in_flight(partition_host: PartitionHost, 
     assert session.query() < 1
 
 
+def test_delay_answer_to_holds_one_chosen_answer_only(partition_host: PartitionHost, pg_server: str) -> None:
+    h = partition_host
+    assert h.relay is not None
+    trapped, other = (Session(h, h.url(dbname_of(pg_server))) for _ in range(2))
+    h.relay.delay_answer_to(b"select 1", 2.5)
+    trapped.send()  # the first to send it is the one held
+    deadline = time.monotonic() + 5
+    while h.relay.trapped == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time_other = other.query()  # meanwhile, another connection's same call is untouched
+    seconds = trapped.result(10)
+    assert seconds is not None and 2.5 <= seconds < 4.5, seconds
+    assert time_other < 1 and h.relay.trapped == 1
+    assert trapped.query() < 1, "a trap holds one answer, not the connection's next ones"
+
+
 def test_teardown_removes_what_it_made_and_nothing_else(pg_server: str) -> None:
     url_db = dbname_of(pg_server)
     with host_or_skip(pg_server) as other:

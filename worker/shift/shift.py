@@ -103,9 +103,10 @@ class ShiftSummary:
 
 
 def call_budget(lane: LaneConfig) -> float:
-    """The most seconds one store call of a shift may take: a third of the lease, so that the
-    shift keeps heartbeating its agents through a database outage."""
-    return max(1.0, lane.lease_seconds / 3)
+    """The most seconds one store call of a shift may take: a third of what a heartbeat grants (the
+    lease, or the session timeout when shorter), so that the shift keeps heartbeating its agents
+    through a database outage and no call blocks past its lease."""
+    return max(1.0, min(lane.lease_seconds, lane.session_timeout_seconds or lane.lease_seconds) / 3)
 
 
 class Shift:
@@ -122,10 +123,10 @@ class Shift:
         self.once = once
         self.poll_seconds = poll_seconds
         self.host = host or socket.gethostname()
-        self.heartbeat_every = max(0.5, self.lane.lease_seconds / 3)
         # the seconds a heartbeat or a claim makes the session's lease hold (the database says so
-        # at each heartbeat; until the first, the lane's own settings)
+        # at each heartbeat; until the first, the lane's own settings): a heartbeat every third
         self._grant = float(min(self.lane.lease_seconds, self.lane.session_timeout_seconds or self.lane.lease_seconds))
+        self.heartbeat_every = max(0.5, self._grant / 3)
         self.workspaces = cfg.path(cfg.fleet.workspaces)
         self.jobs: dict[int, Job] = {}
         # claimed batch carriers (task kind 'batch'), each run by its state machine (worker.shift.batch)
@@ -597,7 +598,8 @@ class Shift:
             snap = self._snapshot(job, why, code, reading.session_id)
             self._git_push(job, commit_wip=True)
             state = self._call(tid, lambda: self.store.hand_off(tid, token, snap), "handed_off")
-            log.info("handed off", state=state)
+            if state is not None:  # else _call said why (refused, or pending)
+                log.info("handed off", state=state)
             return
         profile = self.cfg.profiles.get(job.dispatch.profile) if job.dispatch.profile else None
         verdict = judge(reading, code, profile, tail(job.log_path, 4000), resumed=job.resumed)
@@ -650,12 +652,14 @@ class Shift:
                 except FleetError as exc:  # unknown lane, refused route: the agent's mistake
                     error = f"route to {target!r} refused: {exc}"
                     state = self._call(tid, lambda: self.store.fail(tid, token, error), "failed")
-                log.info("routed", to=target, state=state)
+                if state is not None:  # else _call said why (refused, or pending)
+                    log.info("routed", to=target, state=state)
             else:
                 res = _result(reading, report)
                 self._git_push(job, commit_wip=False)  # the work, where other hosts and people see it
                 state = self._call(tid, lambda: self.store.complete(tid, token, res), "done")
-                log.info("done", state=state)
+                if state is not None:  # else _call said why (refused, or pending)
+                    log.info("done", state=state)
 
     def _own_tokens(self, job: Job, reading: Reading) -> Tokens:
         """The run's own tokens: a CLI that reports its session's running total (Codex across
@@ -745,6 +749,7 @@ class Shift:
             return
         if statuses.valid_for is not None:
             self._grant = statuses.valid_for
+            self.heartbeat_every = max(0.5, min(self.heartbeat_every, statuses.valid_for / 3))
             self._fence.renewed(sent, statuses.valid_for)
         for task_id, job in self.jobs.items():
             status = statuses.get(task_id, "lost")
