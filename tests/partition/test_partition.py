@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 from conftest import dbname_of
 from fleetkit import ROOT, Backend, Fleet, alive, lane_defaults, wait_for
-from partition.netns import PartitionHost
 
+from partition.netns import PartitionHost
 from worker.shift.guard import EX_TEMPFAIL
 
 LEASE = 6
