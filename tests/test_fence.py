@@ -1,13 +1,20 @@
-"""The shift's self-fence (worker/shift/fence.py): the validity arithmetic on a frozen clock, and
-the thread acting on a real one. A real shift cut off from its database: tests/partition/."""
+"""The shift's self-fence (worker/shift/fence.py): the validity arithmetic on a frozen clock, the
+thread acting on a real one, the supervisor's backstop, and a real shift frozen by SIGSTOP whose
+agent is stopped all the same. A real shift cut off from its database: tests/partition/."""
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
+from fleetkit import Backend, Fleet, lane_defaults, wait_for
 
+from worker.agent.executor import AgentProcess
 from worker.shift.fence import MARGIN, Fence, term_window
 
 
@@ -108,3 +115,83 @@ def test_the_thread_acts_on_a_real_clock_while_nothing_else_runs() -> None:
     (term, t_term), (kill, t_kill) = calls
     assert (term, kill) == ("term", "kill")
     assert 0.5 - 0.05 <= t_term < 0.8 and 0.8 - 0.05 <= t_kill < 1.0, calls
+
+
+# -- the supervisor's backstop: a real supervisor process, a real agent
+
+
+def test_the_supervisor_stops_its_agent_at_the_fence_when_nobody_moves_it(tmp_path: Path) -> None:
+    # what a frozen shift leaves: deadlines on the pipe, and no renewal after them
+    agent = AgentProcess([sys.executable, "-c", TRAPS_TERM, str(tmp_path / "got")], cwd=tmp_path,
+                         env=dict(os.environ), log_path=tmp_path / "agent.log")
+    try:
+        start = time.monotonic()
+        agent.fence(start + 0.6, start + 1.2)
+        agent.fence(start + 1.0, start + 1.6)  # a renewal moves them on
+        code = agent.wait(10)
+        took = time.monotonic() - start
+    finally:
+        agent.release()
+    assert (tmp_path / "got").read_text() == "SIGTERM"  # asked first, at 1.0 s
+    assert code == 128 + signal.SIGKILL and 1.55 <= took < 3, (code, took)  # then killed at 1.6 s
+
+
+def test_a_supervisor_told_nothing_leaves_its_agent_alone(tmp_path: Path) -> None:
+    agent = AgentProcess([sys.executable, "-c", "import time; time.sleep(1.5)"], cwd=tmp_path,
+                         env=dict(os.environ), log_path=tmp_path / "agent.log")
+    try:
+        assert agent.wait(10) == 0
+    finally:
+        agent.release()
+
+
+def test_a_frozen_shift_still_has_its_agent_stopped_before_its_lease_runs_out(db_url: str, tmp_path: Path) -> None:
+    script = tmp_path / "agent.py"
+    script.write_text(BEATS)
+    f = Fleet(Backend("postgres", db_url), tmp_path, {"work": lane_defaults(
+        command=["python", str(script), str(tmp_path / "alive.log")], lease_seconds=6, grace_seconds=1)})
+    proc = None
+    try:
+        task_id = f.enqueue("work", "frozen")
+        proc = f.spawn_shift("work", "--max-tasks", "1")
+        wait_for("the agent", lambda: (tmp_path / "alive.log").exists() and
+                 len((tmp_path / "alive.log").read_text().split()) > 5, timeout=30)
+        os.kill(proc.pid, signal.SIGSTOP)  # the shift and its fence thread freeze; its supervisors do not
+        time.sleep(0.3)
+        until = float(f.sql("""select extract(epoch from fleet._lease_until(s.heartbeat_at, l.lease_seconds,
+                                                                            l.session_timeout_seconds)) as t
+                                 from fleet.tasks k join fleet.sessions s on s.id = k.session_id
+                                 join fleet.lanes l on l.name = k.lane where k.id = %s""", (task_id,))[0]["t"])
+        wait_for("the lease to run out", lambda: time.time() > until + 0.5, timeout=15)
+        last = float((tmp_path / "alive.log").read_text().split()[-1])
+        assert last < until, f"the agent ran {last - until:.2f} s past its frozen shift's lease"
+        assert f.task(task_id)["state"] == "running"  # nobody repaired it yet: the agent stopped on its own
+        os.kill(proc.pid, signal.SIGCONT)
+        assert proc.wait(60) == 0  # it thaws, finds its agent stopped, hands the task off, ends
+        assert f.task(task_id)["state"] == "queued"
+        (run,) = f.runs(task_id)
+        assert run["outcome"] == "handed_off", run
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait(10)
+        f.close()
+
+
+TRAPS_TERM = r'''
+import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *a: out.write_text("SIGTERM"))  # and goes on: only SIGKILL ends it
+while True:
+    time.sleep(0.05)
+'''
+
+# an agent whose sign of life is the wall-clock time, every 50 ms, in the file it is given
+BEATS = r'''
+import sys, time
+with open(sys.argv[1], "a", buffering=1) as f:
+    while True:
+        f.write(f"{time.time():.3f}\n")
+        time.sleep(0.05)
+'''

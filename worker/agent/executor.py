@@ -81,6 +81,7 @@ class AgentProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         read_end, self._write_end = os.pipe()  # both ends close-on-exec; the child gets read_end only
+        os.set_blocking(self._write_end, False)  # fence() from the fence's thread never waits
         try:
             with log_path.open("ab", buffering=0) as log, \
                     (stdin.open("rb") if stdin is not None else open(os.devnull, "rb")) as given:
@@ -115,6 +116,17 @@ class AgentProcess:
             if self._write_end >= 0:
                 os.close(self._write_end)
                 self._write_end = -1
+
+    def fence(self, term_at: float, kill_at: float) -> None:
+        """Tell the supervisor when to stop the agent unless told a later moment (monotonic
+        seconds; see worker/agent/supervisor.py). Never blocks; a supervisor that is gone is ignored."""
+        with self._lock:
+            if self._write_end < 0:
+                return
+            try:
+                os.write(self._write_end, f"fence {term_at:.3f} {kill_at:.3f}\n".encode())
+            except (BlockingIOError, BrokenPipeError):
+                pass  # a full pipe (a supervisor not reading): the next renewal tries again
 
     def wait(self, timeout: float | None = None) -> int:
         return self.proc.wait(timeout)

@@ -9,6 +9,11 @@ OOM included, the kernel closes the write end — and the supervisor then SIGKIL
 group. ``prctl(PR_SET_PDEATHSIG)`` is not used: on these machines it is accepted but not
 delivered (DESIGN §6).
 
+The shift also writes its lease's fence on the pipe (``fence <term_at> <kill_at>``, monotonic
+seconds, each renewal moving them on): if the shift does not move them in time — it is frozen
+(SIGSTOP) or stalled, and cannot stop the agent itself — the supervisor sends the agent's group
+SIGTERM at the first and SIGKILL at the second (worker/shift/fence.py).
+
 SIGTERM, SIGINT and SIGHUP sent to the supervisor are forwarded to the agent's group, so the
 shift can ask for a graceful stop. When the agent exits, whatever it left running in its group
 is killed too. The supervisor exits with the agent's exit code (128+N when it died of signal N).
@@ -17,10 +22,13 @@ is killed too. The supervisor exits with the agent's exit code (128+N when it di
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 
 
 def _kill_group(pgid: int, sig: int) -> None:
@@ -30,17 +38,63 @@ def _kill_group(pgid: int, sig: int) -> None:
         pass  # the group is gone already
 
 
-def _watch(fd: int, pgid: int) -> None:
+_stop_forwarded = threading.Event()  # the shift asked the agent to stop (SIGTERM forwarded) already
+
+
+def _deadlines(line: bytes) -> tuple[float, float] | None:
+    """``fence <term_at> <kill_at>`` (monotonic seconds) → (term_at, kill_at); None if not that."""
+    parts = line.split()
+    if len(parts) != 3 or parts[0] != b"fence":
+        return None
+    try:
+        return float(parts[1]), float(parts[2])
+    except ValueError:
+        return None
+
+
+def _watch(fd: int, pgid: int, clock: Callable[[], float] = time.monotonic) -> None:
+    """Block on the shift's pipe. EOF: the shift died or asked for the kill. A line ``fence T K``:
+    the shift's lease certainly holds until a moment it computed; unless a later line moves them,
+    SIGTERM the agent's group at T and SIGKILL it at K (CLOCK_MONOTONIC, the same clock in every
+    process of the machine). So a shift that is frozen (SIGSTOP, a stalled machine) and cannot
+    stop its agents itself still has them stopped before its lease could run out."""
+    term_at: float | None = None
+    kill_at: float | None = None
+    termed = False
+    buf = b""
     while True:
+        timeout = None
+        if kill_at is not None:
+            now = clock()
+            if now >= kill_at:
+                break
+            if term_at is not None and not termed and now >= term_at:
+                if not _stop_forwarded.is_set():  # the shift's own fence did not get to it
+                    _kill_group(pgid, signal.SIGTERM)
+                termed = True
+            timeout = (kill_at if termed or term_at is None else term_at) - now
+        try:
+            ready, _, _ = select.select([fd], [], [], timeout)
+        except InterruptedError:  # pragma: no cover - PEP 475 retries for us
+            continue
+        if not ready:
+            continue
         try:
             chunk = os.read(fd, 1024)
-        except InterruptedError:  # pragma: no cover - PEP 475 retries for us
+        except InterruptedError:  # pragma: no cover
             continue
         except OSError:
             chunk = b""
         if not chunk:
             break
-    # the shift is gone or asked for the kill: nothing of the agent's group may outlive it
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            got = _deadlines(line)
+            if got is not None:
+                term_at, kill_at = got
+    # the shift is gone, asked for the kill, or its lease is about to run out: nothing of the
+    # agent's group may outlive it
     _kill_group(pgid, signal.SIGKILL)
     os._exit(128 + signal.SIGKILL)
 
@@ -56,6 +110,7 @@ def main(argv: list[str]) -> int:
     def forward(signum: int, _frame: object) -> None:
         if agent_pid:
             _kill_group(agent_pid[0], signum)
+            _stop_forwarded.set()
 
     # handlers before the agent exists: a signal in between must not kill the supervisor alone
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -98,6 +98,8 @@ class BatchShift(Protocol):
                  lease: UUID | None = None, **extra: str) -> dict[str, str]: ...
     def guard_env(self, lease: UUID | None) -> dict[str, str]: ...
     def start_gate(self, ws: Workspace, env: dict[str, str], gate_log: Path) -> AgentProcess: ...
+    def agent_process(self, argv: list[str], *, cwd: Path, env: dict[str, str], log_path: Path,
+                      stdin: Path | None = None) -> AgentProcess: ...
     def count(self, outcome: str) -> None: ...
 
 
@@ -281,8 +283,8 @@ class BatchRunner:
         values = {"prompt_file": str(ws.prompt_file), "workspace": str(ws.root), "model": d.model or "",
                   "task_id": str(member_task.id), "agent_session": member_task.agent_session or ""}
         log = self._log_path(m, "agent")
-        self.running = _Proc("agent", AgentProcess(d.argv(values), cwd=ws.root, env=env, log_path=log,
-                                                   stdin=ws.prompt_file))
+        self.running = _Proc("agent", self.shift.agent_process(d.argv(values), cwd=ws.root, env=env,
+                                                               log_path=log, stdin=ws.prompt_file))
         self.log.info("batch member started", n=m["n"], key=m["key"], branch=branch, cut=str(m["cut_sha"])[:12],
                       pid=self.running.proc.pid, dispatch=d.describe())
 
@@ -488,8 +490,8 @@ class BatchRunner:
                 self.log.warning("batch: an earlier ship ran without a recorded outcome; shipping again",
                                  starts=len(report["ship_started"]))
             self._call("batch_tail", p_step="ship_started", p_outcome={"attempt": self.task.attempts})
-        self.running = _Proc(step, AgentProcess(render_argv(argv, values), cwd=ws.root, env=env,
-                                                log_path=self._log_path(None, step)),
+        self.running = _Proc(step, self.shift.agent_process(render_argv(argv, values), cwd=ws.root, env=env,
+                                                            log_path=self._log_path(None, step)),
                              until=time.monotonic() + self.lane.verify_timeout if step == "batch_verify" else None)
         self.log.info(f"batch {step} started", pid=self.running.proc.pid)
 

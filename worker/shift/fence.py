@@ -16,7 +16,10 @@ call (a partition, a server that stopped answering) cannot delay it. Unless a re
   that appears (a verify gate started meanwhile) until the next renewal.
 
 So by the time the monitor may repair a task (its lease ran out by the database's clock, which
-is never earlier than ``until``), its agent is gone. The agents it stopped are handed off when
+is never earlier than ``until``), its agent is gone. Should the shift itself freeze (SIGSTOP, a
+stalled machine) its thread freezes too; so each renewal also tells every agent's supervisor — a
+process of its own — the same two moments (``AgentProcess.fence``), and the supervisor stops
+the agent at them unless a later renewal moved them. The agents it stopped are handed off when
 they exit (the shift sees ``fenced`` on their jobs); if the lease was repaired meanwhile, the
 hand-off is refused and nothing more is written.
 """
@@ -46,9 +49,10 @@ class Fence:
     of :meth:`start`)."""
 
     def __init__(self, on_fence: Callable[[str, bool], None], *, term_window: float,
-                 margin: float = MARGIN, clock: Callable[[], float] = time.monotonic,
-                 log: Any = None) -> None:
+                 margin: float = MARGIN, on_renew: Callable[[float, float], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic, log: Any = None) -> None:
         self.on_fence = on_fence
+        self.on_renew = on_renew
         self.term_window = term_window
         self.margin = margin
         self.clock = clock
@@ -62,15 +66,20 @@ class Fence:
     # -- what the shift tells it
 
     def renewed(self, sent_at: float, valid_for: float) -> None:
-        """A call sent at ``sent_at`` (monotonic) was granted ``valid_for`` seconds by the database."""
+        """A call sent at ``sent_at`` (monotonic) was granted ``valid_for`` seconds by the database.
+        ``on_renew(term_at, kill_at)`` hears of the new moments (the agents' supervisors, which
+        enforce them should this process freeze)."""
         until = sent_at + valid_for
         with self._cond:
-            if self.until is None or until > self.until:
+            moved = self.until is None or until > self.until
+            if moved:
                 self.until = until
                 if self.stage is not None and until - self.margin - self.term_window > self.clock():
                     self.log.info("lease renewed: agents may run again", valid_for=round(valid_for, 2))
                     self.stage = None
             self._cond.notify_all()
+        if moved and self.on_renew is not None:
+            self.on_renew(until - self.margin - self.term_window, until - self.margin)
 
     def remaining(self) -> float | None:
         """Seconds the lease certainly holds from now (negative: it may have run out); None before

@@ -182,7 +182,8 @@ class Shift:
         self._guard.start()
         # stops the agents before the lease could run out, whatever the main loop is blocked in
         self._fence = Fence(self._fence_agents, term_window=term_window(self.lane.lease_seconds,
-                                                                        self.lane.grace_seconds), log=self.log)
+                                                                        self.lane.grace_seconds),
+                            on_renew=self._fence_supervisors, log=self.log)
         self._fence.start()
         # what this lane's agents run, resolved exactly as a spawn resolves it (`fleet profiles`)
         self.log.info("dispatch", dispatch=banner(self.cfg, self.lane_name),
@@ -337,7 +338,8 @@ class Shift:
                 values = {"prompt_file": str(ws.prompt_file), "workspace": str(ws.root),
                           "model": d.model or "", "task_id": str(task.id),
                           "agent_session": session or ""}
-                agent = AgentProcess(d.argv(values), cwd=ws.root, env=env, log_path=log_path, stdin=ws.prompt_file)
+                agent = self.agent_process(d.argv(values), cwd=ws.root, env=env, log_path=log_path,
+                                           stdin=ws.prompt_file)
         except OSError as exc:
             log.error("could not start the agent", error=str(exc))
             error, token = f"could not start the agent: {exc}", task.lease_token
@@ -406,7 +408,16 @@ class Shift:
         argv = render_argv(self.lane.verify, {"workspace": str(ws.root), "task_id": env["FLEET_TASK_ID"],
                                               "model": env["FLEET_MODEL"], "prompt_file": str(ws.prompt_file),
                                               "agent_session": env["FLEET_AGENT_SESSION"]})
-        return AgentProcess(argv, cwd=ws.root, env={**env, "FLEET_GATE": "1"}, log_path=gate_log)
+        return self.agent_process(argv, cwd=ws.root, env={**env, "FLEET_GATE": "1"}, log_path=gate_log)
+
+    def agent_process(self, argv: list[str], *, cwd: Path, env: dict[str, str], log_path: Path,
+                      stdin: Path | None = None) -> AgentProcess:
+        """Start an agent (or a gate, or a batch step) under its supervisor, which is told at once
+        when this shift's lease could run out (see worker/shift/fence.py)."""
+        proc = AgentProcess(argv, cwd=cwd, env=env, log_path=log_path, stdin=stdin)
+        if self._fence.term_at is not None and self._fence.kill_at is not None:
+            proc.fence(self._fence.term_at, self._fence.kill_at)
+        return proc
 
     # -- git workspaces
 
@@ -776,6 +787,14 @@ class Shift:
                 runner.kill()
             elif first:
                 runner.stop()
+
+    def _fence_supervisors(self, term_at: float, kill_at: float) -> None:
+        """A renewal: every agent's supervisor hears when to stop it unless renewed again."""
+        for job in _values(self.jobs):
+            job.agent.fence(term_at, kill_at)
+        for runner in _values(self.batches):
+            if runner.running is not None:
+                runner.running.proc.fence(term_at, kill_at)
 
     # -- the end of the shift
 
