@@ -25,7 +25,7 @@ import pytest
 from conftest import dbname_of
 from fleetkit import ROOT, Backend, Fleet, alive, lane_defaults, wait_for
 
-from partition.netns import PartitionHost
+from partition.netns import Lines, PartitionHost
 from worker.shift.guard import EX_TEMPFAIL
 
 LEASE = 6
@@ -222,3 +222,54 @@ def test_a_guarded_command_whose_answer_comes_too_late_does_not_run(
     assert (out / "marker-2").exists()
     os.kill(proc.pid, 15)
     assert proc.wait(30) == 0, log.read_text()[-3000:]
+
+
+# a shift's store in the host: one call before the cut, one during it (timed), one after the heal
+STORE_UNDER_CUT = r'''
+import sys, time
+from worker.errors import DatabaseUnavailable
+from worker.store.postgres import PostgresStore
+
+store = PostgresStore(sys.argv[1], call_budget=float(sys.argv[2]), min_size=1, max_size=2)
+store.lane_names()
+print("ready", flush=True)
+sys.stdin.readline()
+t = time.monotonic()
+try:
+    store.lane_names()
+    print(f"answered {time.monotonic() - t:.2f}", flush=True)
+except DatabaseUnavailable as exc:
+    print(f"unavailable {time.monotonic() - t:.2f}", flush=True)
+sys.stdin.readline()
+t = time.monotonic()
+store.lane_names()
+print(f"healed {time.monotonic() - t:.2f}", flush=True)
+'''
+
+
+def test_no_call_of_a_shift_blocks_past_its_deadline_under_a_cut(partition_host: PartitionHost, db_url: str) -> None:
+    host = partition_host
+    budget = 2.0  # a lease of 6 s: a third of it
+    child = host.python(STORE_UNDER_CUT, host.url(dbname_of(db_url)), str(budget), cwd=ROOT)
+    assert child.stdin is not None and child.stdout is not None
+    lines = Lines(child.stdout)
+    try:
+        assert lines.next(30) == "ready\n"
+        host.cut()
+        child.stdin.write("\n")
+        child.stdin.flush()
+        line = lines.next(30)
+        assert line, "a call under the cut did not return within 30 s"
+        outcome, seconds = line.split()
+        # the open connection's query is lost on the wire: the TCP user timeout and keepalives end
+        # it, the retries stop at the budget; without them it would block until the heal
+        assert outcome == "unavailable", outcome
+        assert float(seconds) < 2 * budget + 2, f"a call blocked {seconds} s under the cut"
+        host.heal()
+        child.stdin.write("\n")
+        child.stdin.flush()
+        line = lines.next(30) or ""
+        assert line.startswith("healed"), line
+    finally:
+        child.kill()
+        child.wait(10)
