@@ -124,7 +124,7 @@ def cut_and_repair(host: PartitionHost, f: Fleet, task_id: int, out: Path) -> fl
     wait_for("the agent on the host", lambda: f.task(task_id)["state"] == "running" and len(beats(out)) > 5,
              timeout=30)
     host.cut()
-    (out / "cut").write_text("x")
+    (out / "cut").write_text(f"{time.time():.3f}")
     # the cut-off shift's last heartbeat may still have got through: read the lease after the cut
     time.sleep(0.5)
     until = lease_until(f, task_id)
@@ -147,12 +147,15 @@ def test_a_cut_off_shift_stops_its_agent_before_its_lease_could_be_repaired(
     fresh = [f.enqueue("cut", f"fresh-{i}", {"dir": str(out), "mode": "long"}) for i in range(3)]
 
     until = cut_and_repair(host, f, task_id, out)
+    t_cut = float((out / "cut").read_text())
 
     last = beats(out)[-1]
     pid = int((out / "agent.pid").read_text())
     assert not alive(pid), "the agent still runs after its lease was repaired"
     assert last < until, f"the agent's last sign of life came {last - until:.2f} s after its lease ran out"
     assert last > until - LEASE, "the agent was stopped before it ever lost touch"
+    print(f"\npartition: the agent's last sign of life {until - last:.2f} s before its lease ran out "
+          f"(lease {LEASE} s; the cut came {until - t_cut:.2f} s before it ran out)")
     # the monitor's side: the task went back, first in line; another shift here does the work
     summary = f.run_shift("cut", max_tasks=1)
     assert summary.outcomes == {"done": 1}
