@@ -8,7 +8,9 @@ PostgREST does per request), concurrency (``race``, ``Call``, ``wait_until_waiti
 (``function_body``, ``loop_queries``), and the histories several test files build.
 
 Time-dependent behaviour is driven by setting columns directly (``run_at``, ``deadline``,
-``ended_at``, ``lease_expires_at``, ``heartbeat_at``) instead of sleeping.
+``ended_at``, ``heartbeat_at``) instead of sleeping. A running task's lease follows its session
+(``fleet._lease_until`` of the session's ``heartbeat_at``): ``expire`` ages the heartbeat of the
+sessions holding the tasks; writing ``tasks.lease_expires_at`` (the claim's) changes nothing.
 """
 
 from __future__ import annotations
@@ -286,9 +288,31 @@ def reconcile(conn: psycopg.Connection, idle: int = 300, grace: int = 60) -> lis
 
 
 def expire(conn: psycopg.Connection, *task_ids: int, ago: str = "1 second") -> None:
-    """The leases of these tasks ran out ``ago``."""
-    conn.execute("update fleet.tasks set lease_expires_at = now() - %s::interval where id = any(%s)",
+    """The sessions holding these tasks went silent: their last heartbeat is a lease plus ``ago``
+    ago; every task of such a session expires with it (a task's lease follows its session,
+    fleet._lease_until: tasks.lease_expires_at, the claim's, is not what runs out). On a lane whose
+    session timeout is the lease (the default), the monitor's pass then finds the session lost
+    (heartbeat-timeout); only on a lane whose session timeout is longer does it release the tasks
+    one by one as lease-expired."""
+    held = rows(conn, "select id from fleet.tasks where id = any(%s) and state = 'running'", (list(task_ids),))
+    assert len(held) == len(set(task_ids)), f"not all of {task_ids} are running"
+    conn.execute("""
+        update fleet.sessions s
+           set heartbeat_at = now() - make_interval(secs => l.lease_seconds) - %s::interval
+          from fleet.lanes l
+         where l.name = s.lane
+           and s.id in (select t.session_id from fleet.tasks t where t.id = any(%s))""",
                  (ago, list(task_ids)))
+
+
+def lease_left(conn: psycopg.Connection, task_id: int) -> float:
+    """Seconds task_id's lease still holds (negative: it ran out), by the rule every reader shares:
+    fleet._lease_until of its session's last heartbeat."""
+    return float(one(conn, """
+        select extract(epoch from fleet._lease_until(s.heartbeat_at, l.lease_seconds, l.session_timeout_seconds)
+                                  - now())
+          from fleet.tasks t join fleet.sessions s on s.id = t.session_id join fleet.lanes l on l.name = t.lane
+         where t.id = %s""", (task_id,)))
 
 
 def roll_up(conn: psycopg.Connection) -> int:

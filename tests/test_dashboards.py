@@ -38,6 +38,7 @@ from sqlkit import (
     close_session,
     complete,
     enqueue,
+    expire,
     fail,
     hand_off,
     one,
@@ -87,7 +88,8 @@ KINDS = ["input_tokens", "cache_creation_tokens", "cache_read_tokens", "output_t
 
 def build_history(url: str) -> dict[str, Any]:
     """docs: done, failed then done, dead, repaired, running, handed off, routed to review, stuck,
-    dead then retried then cancelled, cancelled while running."""
+    dead then retried then cancelled, cancelled while running. Two shifts of docs are active: the
+    one that did all that (its heartbeat a lease and 3 s old) and one running d5."""
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("select fleet.sync_lane('docs', %s)", (Jsonb({"max_running": 2, "backoff_base_seconds": 0}),))
         conn.execute("select fleet.sync_lane('review', %s)", (Jsonb({"max_running": 1, "accepts_from": ["docs"]}),))
@@ -123,11 +125,13 @@ def build_history(url: str) -> dict[str, Any]:
         ids["d10"] = enqueue(conn, "docs", "d10")
         take(conn, s1, ids["d10"])
         cancel(conn, ids["d10"])
-        take(conn, s1, ids["d5"])
+        # d5 runs under a second shift that heartbeats; d8 under the first, silent since for its
+        # lease and 3 s (a task's lease follows its session: the first shift's tasks are stuck)
+        s2 = open_session(conn, "docs", host="other-host", pid=4343)
+        take(conn, s2, ids["d5"])
         take(conn, s1, ids["d8"])
-        conn.execute("update fleet.tasks set lease_expires_at = now() - interval '3 seconds' where id = %s",
-                     (ids["d8"],))
-    return {"ids": ids, "session": s1}
+        expire(conn, ids["d8"], ago="3 seconds")
+    return {"ids": ids, "session": s1, "other_session": s2}
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +195,7 @@ def test_status_json(db_url: str, home: Path, world: dict[str, Any]) -> None:
     assert {k: lanes["docs"][k] for k in keys} == {
         "queued": 2, "ready": 2, "running": 2, "slots": 2, "idle_slots": 0, "done_24h": 2, "failed_24h": 3,
         "dead_24h": 2, "cancelled_24h": 2, "retries_24h": 2, "handoffs_24h": 1, "repairs_24h": 1,
-        "operator_retries_24h": 1, "active_sessions": 1}
+        "operator_retries_24h": 1, "active_sessions": 2}
     assert {k: lanes["review"][k] for k in keys} == {
         "queued": 1, "ready": 1, "running": 0, "slots": 1, "idle_slots": 1, "done_24h": 1, "failed_24h": 0,
         "dead_24h": 0, "cancelled_24h": 0, "retries_24h": 0, "handoffs_24h": 0, "repairs_24h": 0,
@@ -199,10 +203,12 @@ def test_status_json(db_url: str, home: Path, world: dict[str, Any]) -> None:
     assert lanes["review"]["last_handoff_at"] is not None
     ids = world["ids"]
     assert [(s["task_id"], s["reasons"], s["host"], s["pid"]) for s in data["stuck"]] == [
-        (ids["d8"], ["lease-expired"], "shift-host", 4242)]
+        (ids["d8"], ["lease-expired", "session-silent"], "shift-host", 4242)]
+    assert -4 < data["stuck"][0]["lease_remaining_seconds"] <= -3
     shift_tokens = sum(TOKENS[t][k] for t in ("d1", "d2", "d3", "d7") for k in KINDS)
     assert [(s["session_id"], s["tasks_held"], s["runs"], s["done"], s["failed"], s["lost"], s["tokens"])
-            for s in data["sessions"]] == [(str(world["session"]), 2, 11, 3, 3, 1, shift_tokens)]
+            for s in data["sessions"]] == [(str(world["other_session"]), 1, 1, 0, 0, 0, 0),
+                                           (str(world["session"]), 1, 10, 3, 3, 1, shift_tokens)]
     assert isinstance(data["sessions"][0]["cost_usd"], float)   # numbers stay numbers in JSON
     assert [(r["task_id"], r["reason"], r["state"]) for r in data["repairs"]] == [
         (ids["d4"], "lease-expired", "queued")]

@@ -27,6 +27,7 @@ import psycopg
 import pytest
 from fleetkit import Backend
 from psycopg.rows import dict_row
+from sqlkit import expire
 
 from monitor.reconcile import host_checks, monitor_pass
 from worker.config import FleetConfig, cron_trigger, load_config
@@ -315,7 +316,8 @@ def test_fleet_monitor_json_and_refusals(make_fleet):
     (tid,) = fleet.enqueue("docs", 1, {})
     s = fleet.worker.open_session("docs", "another-host", 4242, None, 600)
     fleet.worker.claim(s, 1)
-    fleet.sql("update fleet.tasks set lease_expires_at = now() - interval '1 second'")
+    with psycopg.connect(fleet.db_url, autocommit=True) as c:
+        expire(c, tid)  # the shift silent for its 3 s lease and a second, not for its 600 s timeout
 
     refused = fleet.cli("monitor", "--once", "--every", "1s")
     assert refused.returncode == 1

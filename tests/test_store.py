@@ -23,6 +23,7 @@ import psycopg
 import pytest
 from fleetkit import Backend
 from psycopg.conninfo import make_conninfo
+from sqlkit import expire
 
 from worker.config import LaneConfig
 from worker.db.migrate import load_migrations
@@ -37,7 +38,7 @@ from worker.errors import (
     UnknownLane,
     UnknownTask,
 )
-from worker.models import RepairAction, Task
+from worker.models import Heartbeat, LeaseAnswer, RepairAction, Task
 from worker.store.postgres import PostgresStore
 from worker.store.sync import lane_settings
 
@@ -267,21 +268,43 @@ def test_sync_lane_created_unchanged_updated(db_url: str, conn: psycopg.Connecti
 
 
 def test_reconcile_returns_repair_actions(store: PostgresStore, conn: psycopg.Connection) -> None:
-    task, _ = running(store, "a", "evaporating")
+    # a lane whose sessions may be declared lost only after twice the lease: a silent session's
+    # leases run out first, and the pass releases its tasks as lease-expired
+    store.sync_lane("slow", settings(lease_seconds=60, session_timeout_seconds=120))
+    task, session = running(store, "slow", "evaporating")
     assert all(a.task_id != task.id for a in store.reconcile())  # a live lease is left alone
-    conn.execute("update fleet.tasks set lease_expires_at = now() - interval '1 second' where id = %s",
-                 (task.id,))
+    expire(conn, task.id)  # the session silent for its lease and a second
     actions = store.reconcile()
     assert all(isinstance(a, RepairAction) for a in actions)
     mine = [a for a in actions if a.task_id == task.id]
     assert len(mine) == 1
-    assert mine[0].action == "released" and mine[0].lane == "a"
+    assert mine[0].action == "released" and mine[0].lane == "slow" and mine[0].session_id == session
     assert mine[0].detail["reason"] == "lease-expired"
     after = store.get_task(task.id)
     assert after.state == "queued" and after.evaporations == 1
     # the token of the repaired lease is fenced off
     with pytest.raises(LeaseLost):
         store.complete(task.id, task.lease_token)  # type: ignore[arg-type]
+
+
+def test_heartbeat_and_lease_held_say_how_long_the_lease_holds(store: PostgresStore, conn: psycopg.Connection) -> None:
+    store.sync_lane("short", settings(lease_seconds=60, session_timeout_seconds=20))
+    task, session = running(store, "short")
+    other, _ = running(store, "short")
+    beat = store.heartbeat(session)
+    assert isinstance(beat, Heartbeat) and beat == {task.id: "ok"}
+    assert beat.valid_for == 20.0  # the lease, cut to the session timeout
+    held = store.lease_held(task.id, task.lease_token)  # type: ignore[arg-type]
+    assert isinstance(held, LeaseAnswer)
+    assert (held.held, held.state, held.token_matches) == (True, "running", True) and 19 < held.valid_for <= 20
+    assert store.lease_held(task.id, uuid.uuid4()) == (False, "running", 0.0, False)
+    # a lease runs out with its session's silence, whatever the claim's lease_expires_at says
+    conn.execute("update fleet.tasks set lease_expires_at = now() + interval '1 day' where id = %s", (task.id,))
+    expire(conn, task.id)
+    assert store.lease_held(task.id, task.lease_token) == (False, "running", 0.0, True)  # type: ignore[arg-type]
+    assert store.lease_held(other.id, other.lease_token).held  # type: ignore[arg-type]
+    assert store.heartbeat(session).valid_for == 20.0  # renewed by its shift, not repaired yet
+    assert store.lease_held(task.id, task.lease_token).held  # type: ignore[arg-type]
 
 
 def test_declare_session_lost_releases_its_tasks(store: PostgresStore) -> None:

@@ -45,6 +45,7 @@ from sqlkit import (
     hand_off,
     kinds,
     last_event,
+    lease_left,
     leases,
     loop_queries,
     one,
@@ -93,6 +94,16 @@ def test_claim_renews_the_session_heartbeat(conn, lane, session):
     conn.execute("update fleet.sessions set heartbeat_at = now() - interval '1 hour'")
     assert claim(conn, session) == []
     assert one(conn, "select heartbeat_at > now() - interval '1 minute' from fleet.sessions")
+
+
+def test_a_claim_renews_the_leases_its_session_holds(conn, lane, session):
+    # a claim is a sign of life of its session: the lease of every task it holds follows it
+    held = enqueue(conn, lane, "held")
+    claim_one(conn, session)
+    conn.execute("update fleet.sessions set heartbeat_at = now() - interval '59 seconds'")
+    assert lease_left(conn, held) < 2
+    assert claim(conn, session) == []  # nothing ready
+    assert lease_left(conn, held) > 59
 
 
 def test_claim_takes_only_its_own_lane(conn, lane, session):

@@ -21,6 +21,7 @@ from sqlkit import (
     complete,
     count,
     enqueue,
+    expire,
     fail,
     hand_off,
     kinds,
@@ -180,10 +181,13 @@ OPS = [
 
 
 LANES = {
-    # name: (max_running, max_attempts, max_handoffs, accepts_from)
-    "a": (2, 2, 1, None),
-    "b": (1, 3, 2, ["a"]),
-    "c": (None, 1, 0, ["b"]),
+    # name: (max_running, max_attempts, max_handoffs, accepts_from, session_timeout_seconds); the
+    # lease is 60 s. The sessions of lanes a and c may be declared lost only after more silence
+    # than that: a session silent for its lease alone (expire_lease) loses its tasks by the
+    # lease-expired path there, by the heartbeat-timeout path in lane b (its timeout: the lease)
+    "a": (2, 2, 1, None, 120),
+    "b": (1, 3, 2, ["a"], None),
+    "c": (None, 1, 0, ["b"], 90),
 }
 
 
@@ -274,6 +278,7 @@ def _apply(conn: psycopg.Connection, op: str, a: int, b: int, tokens: list[Any])
             got = conn.execute(
                 "select task_id, status from fleet.heartbeat(%s)", (s[0],)
             ).fetchall()
+            assert got[0] == (None, "session"), got
             held = {
                 r[0]
                 for r in conn.execute(
@@ -296,10 +301,7 @@ def _apply(conn: psycopg.Connection, op: str, a: int, b: int, tokens: list[Any])
     elif op == "expire_lease":
         t = pick("select id from fleet.tasks where state = 'running' order by id")
         if t:
-            conn.execute(
-                "update fleet.tasks set lease_expires_at = now() - interval '1 s' where id = %s",
-                (t[0],),
-            )
+            expire(conn, t[0])  # its session silent for a lease: every task of it expires
     elif op == "go_silent":
         s = pick("select id from fleet.sessions where state = 'active' order by started_at, id")
         if s:
@@ -310,7 +312,10 @@ def _apply(conn: psycopg.Connection, op: str, a: int, b: int, tokens: list[Any])
     elif op == "reconcile":
         conn.execute("select * from fleet.reconcile()").fetchall()
         assert conn.execute(
-            "select count(*) from fleet.tasks where state = 'running' and lease_expires_at < now()"
+            "select count(*) from fleet.tasks t join fleet.sessions s on s.id = t.session_id"
+            "  join fleet.lanes l on l.name = t.lane"
+            " where t.state = 'running'"
+            "   and fleet._lease_until(s.heartbeat_at, l.lease_seconds, l.session_timeout_seconds) < now()"
         ).fetchone() == (0,), "an expired lease survived a monitor pass"
         assert conn.execute(
             "select count(*) from fleet.sessions where state = 'active' "
@@ -360,11 +365,11 @@ def test_random_operation_sequences_keep_the_invariants(
         "truncate fleet.events, fleet.lane_handoffs, fleet.runs, fleet.tasks, fleet.sessions, "
         "fleet.lanes restart identity cascade"
     )
-    for name, (max_running, max_attempts, max_handoffs, accepts_from) in LANES.items():
+    for name, (max_running, max_attempts, max_handoffs, accepts_from, timeout) in LANES.items():
         conn.execute(
             "insert into fleet.lanes (name, max_running, max_attempts, max_handoffs, accepts_from, "
-            "backoff_base_seconds) values (%s, %s, %s, %s, %s, 5)",
-            (name, max_running, max_attempts, max_handoffs, accepts_from),
+            "backoff_base_seconds, lease_seconds, session_timeout_seconds) values (%s, %s, %s, %s, %s, 5, 60, %s)",
+            (name, max_running, max_attempts, max_handoffs, accepts_from, timeout),
         )
     # a fixed prologue, so that the random steps act on something: work and a shift in every lane
     for i, name in enumerate(sorted(LANES) * 2):

@@ -26,11 +26,13 @@ from sqlkit import (
     close_session,
     complete,
     enqueue,
+    expire,
     fail,
     hand_off,
     heartbeat,
     kinds,
     last_event,
+    lease_left,
     one,
     open_session,
     refused,
@@ -44,14 +46,6 @@ from sqlkit import (
 
 # ------------------------------------------------------------------------------------------------
 # heartbeat
-
-
-def lease_left(conn: psycopg.Connection, task_id: int) -> float:
-    """Seconds task_id's lease holds by the rule every reader shares (fleet._lease_until)."""
-    return one(conn, """select extract(epoch from fleet._lease_until(s.heartbeat_at, l.lease_seconds,
-                                                                      l.session_timeout_seconds) - now())
-                          from fleet.tasks t join fleet.sessions s on s.id = t.session_id
-                          join fleet.lanes l on l.name = t.lane where t.id = %s""", (task_id,))
 
 
 def test_heartbeat_renews_the_leases_of_its_session_only(conn, lane, session):
@@ -296,7 +290,7 @@ def test_lease_held_in_sql_and_its_security(conn: psycopg.Connection) -> None:
             conn.execute("select set_config('request.jwt.claims', %s, true)",
                          (json.dumps({"role": "fleet_worker", "fleet_lanes": lanes}),))
             if ok:
-                assert held(token) == (False, "cancelled")
+                assert held(token) == (False, "cancelled", False)
             else:
                 with pytest.raises(psycopg.Error) as err:
                     held(token)
@@ -392,5 +386,7 @@ def test_the_fence_is_the_token_not_the_clock(conn, lane, session):
     # monitor's _release) ends it, so a slow worker racing the monitor is decided by the row lock
     task_id = enqueue(conn, lane, "k")
     t = claim_one(conn, session)
-    conn.execute("update fleet.tasks set lease_expires_at = now() - interval '1 hour'")
+    expire(conn, task_id, ago="1 hour")  # its session silent for a lease and an hour
+    assert lease_left(conn, task_id) < -3600
+    assert one(conn, "select held from fleet.lease_held(%s, %s)", (task_id, t["lease_token"])) is False
     assert complete(conn, task_id, t["lease_token"]) == "done"

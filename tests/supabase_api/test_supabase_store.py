@@ -81,8 +81,10 @@ def script(st: Any) -> list[Any]:
     (task,) = st.claim(session, 5)
     out.append((task.key, task.state, task.attempts, task.payload, task.priority, task.title))
     out.append(st.claim(session, 5))
-    out.append(st.heartbeat(session, [task.id]))
-    out.append(st.heartbeat(session))
+    for beat in (st.heartbeat(session, [task.id]), st.heartbeat(session)):
+        out.append((beat, beat.valid_for))  # valid_for: the lane's lease, from the database's now()
+    held = st.lease_held(task.id, task.lease_token)
+    out.append((held.held, held.state, held.token_matches, 59 < held.valid_for <= 60))
     out.append(st.checkpoint(task.id, task.lease_token, {"step": 1}))
     out.append(st.record_run(task.lease_token, {"input_tokens": 3, "model": "m"}))
     out.append(st.fail(task.id, task.lease_token, "first try failed"))
