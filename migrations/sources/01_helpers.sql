@@ -180,7 +180,13 @@ begin
     perform fleet._event('repaired', t.lane, p_task, t.session_id,
         jsonb_build_object('reason', p_reason, 'state', v_state, 'attempt', t.attempts,
                            'evaporations', t.evaporations + 1,
-                           'lease_expired_at', t.lease_expires_at));
+                           -- when the lease that is repaired ran out (or runs out: a release
+                           -- before that): it follows the session's last heartbeat
+                           'lease_expired_at', coalesce(
+                               (select fleet._lease_until(s.heartbeat_at, l.lease_seconds, l.session_timeout_seconds)
+                                  from fleet.sessions s join fleet.lanes l on l.name = s.lane
+                                 where s.id = t.session_id),
+                               t.lease_expires_at)));
     return v_state;
 end
 $$;

@@ -73,7 +73,9 @@ begin
            and fleet._lease_until(s.heartbeat_at, l.lease_seconds, l.session_timeout_seconds) < now()
            and pg_postmaster_start_time() < now() - make_interval(secs => l.lease_seconds)
          order by s.heartbeat_at, t.id
-           for no key update of t, s skip locked
+           -- the session first: one busy in a heartbeat is skipped before any of its tasks is locked
+           -- (a task locked and then skipped would stay locked, and that heartbeat would wait on it)
+           for no key update of s, t skip locked
     loop
         v_state := fleet._release(r.id, 'lease-expired');
         if v_state is not null then

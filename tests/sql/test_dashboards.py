@@ -347,10 +347,6 @@ def test_recent_repairs_newest_first_with_reason_and_outcome(conn: psycopg.Conne
     assert [r["session_id"] for r in got] == [sc, sl, sr]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "SQL bug: fleet._release journals 'lease_expired_at' from tasks.lease_expires_at, the claim's "
-    "(no longer renewed: a lease follows its session), not the lease that ran out, "
-    "fleet._lease_until(session heartbeat_at, lease, session timeout)"))
 @pytest.mark.parametrize("path", ["lease-expired", "heartbeat-timeout"])
 def test_recent_repairs_say_when_the_repaired_lease_ran_out(conn: psycopg.Connection, path: str) -> None:
     # claimed ten minutes ago, its session heartbeating since, then silent: the lease ran out a
