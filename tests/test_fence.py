@@ -114,7 +114,8 @@ def test_the_thread_acts_on_a_real_clock_while_nothing_else_runs() -> None:
         fence.stop()
     (term, t_term), (kill, t_kill) = calls
     assert (term, kill) == ("term", "kill")
-    assert 0.5 - 0.05 <= t_term < 0.8 and 0.8 - 0.05 <= t_kill < 1.0, calls
+    # never early (the moments are the lease's); late only by the scheduler (a loaded machine)
+    assert 0.5 - 0.02 <= t_term and 0.8 - 0.02 <= t_kill and t_term < t_kill < 3.0, calls
 
 
 # -- the supervisor's backstop: a real supervisor process, a real agent
