@@ -50,8 +50,7 @@ def place() -> Iterator[Path]:
     folder = ROOT / ".fleet" / "sandbox-tests" / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     folder.mkdir(parents=True)
     yield folder
-    if not os.environ.get("KEEP"):
-        shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def private(path: Path, text: str, mode: int = 0o600) -> Path:
