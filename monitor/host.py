@@ -63,7 +63,9 @@ class ShiftLauncher:
             out: int | object = subprocess.DEVNULL
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
-                out = os.open(self.log_dir / f"shift-{lane}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                # its owner's alone: a shift's errors may name hosts, users and paths of the fleet's
+                out = os.open(self.log_dir / f"shift-{lane}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                os.fchmod(out, 0o600)  # (one an older lanefleet made)
             try:
                 proc = subprocess.Popen(self.command(lane, extra), env=self.env, stdin=subprocess.DEVNULL,
                                         stdout=out, stderr=out)  # type: ignore[arg-type]

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 from fleetkit import Backend, Fleet, lane_defaults
 
+from worker.agent.sandbox import bwrap_problem
+
 CORPUS = Path(__file__).resolve().parent / "agents" / "corpus"
 REPLAY = str(Path(__file__).resolve().parent / "agents" / "replay.py")
 
@@ -34,7 +36,10 @@ def agent_fleet(backend: Backend, tmp_path: Path):
     def make(agent: str, command: list[str], model: str = "m", **lane: Any) -> Fleet:
         settings = lane_defaults(profile="p", **lane)
         del settings["command"]
-        tables = {"profiles": {"p": {"command": command, "agent": agent, "model": model}}}
+        # a real CLI's adapter: its agent runs sandboxed (worker.agent.sandbox), and the samples some
+        # tests cut into the test's folder are shown to it read-only
+        sandbox: dict[str, Any] = {"sandbox_ro": [str(tmp_path)]} if bwrap_problem() is None else {"sandbox": "none"}
+        tables = {"profiles": {"p": {"command": command, "agent": agent, "model": model, **sandbox}}}
         home = tmp_path / f"fleet-{len(made)}"
         home.mkdir()
         f = Fleet(backend, home, {"work": settings}, tables=tables)

@@ -181,7 +181,8 @@ def test_a_shift_logs_its_resolved_dispatch_once_at_start(dispatch_fleet, capsys
 def gated(tmp: Path, **kw: Any) -> dict[str, Any]:
     script = tmp / "gate.py"
     script.write_text(GATE)
-    return tiered_lane(verify=[sys.executable, str(script)], **kw)
+    # the gate counts its calls in the file GATE_CALLS names: its lane passes the variable on
+    return tiered_lane(verify=[sys.executable, str(script)], agent_env=["GATE_CALLS"], **kw)
 
 
 def test_each_of_the_four_gate_outcomes_leads_to_its_state(dispatch_fleet, tmp_path: Path) -> None:

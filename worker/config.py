@@ -121,14 +121,60 @@ def _agent_name(v: str | None) -> str | None:
     return v
 
 
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+#: what lanefleet itself reads from the shift's environment as its database, its keys or its config:
+#: never passed to an agent, even when a lane names it in ``agent_env`` (an agent that needs a value
+#: of its own under one of these names gets it from ``agent_env_file``)
+FLEET_OWN_ENV = ("DATABASE_URL", "SUPABASE_URL", "SUPABASE_ANON_KEY", "SUPABASE_JWT_SECRET",
+                 "SUPABASE_SERVICE_ROLE_KEY", "SUPABASE_DB_URL")
+
+
+def _agent_env_names(v: list[str]) -> list[str]:
+    for name in v:
+        if not ENV_NAME.match(name):
+            raise ValueError(f"{name!r} is not an environment variable name")
+        if name.startswith("FLEET_") or name in FLEET_OWN_ENV or name in ENV_SETTINGS:
+            raise ValueError(f"{name} is lanefleet's own (its database, keys or config) and never reaches an "
+                             "agent; give the agent a value of its own in agent_env_file")
+    return v
+
+
+def _sandbox_paths(v: list[str]) -> list[str]:
+    for path in v:
+        if not path.strip():
+            raise ValueError("an empty path")
+    return v
+
+
+class _AgentAccess(_Strict):
+    """What an agent of a lane or profile may see besides its task (README "Running coding agents"):
+    a profile's settings add to its lane's."""
+
+    # names passed through from the shift's environment (e.g. ANTHROPIC_API_KEY), besides the base
+    # set every agent gets (worker.agent.executor.BASE_ENV)
+    agent_env: list[str] = Field(default_factory=list)
+    # KEY=VALUE lines read by the shift (mode 0600, owned by the shift's user) into the agent's environment
+    agent_env_file: Path | None = None
+    # "bwrap": in a bubblewrap sandbox (worker.agent.sandbox); "none": as the shift's user, seeing what
+    # it sees. Unset: bwrap for a real agent CLI (claude, codex, opencode, gemini), none for generic
+    sandbox: Literal["bwrap", "none"] | None = None
+    sandbox_ro: list[str] = Field(default_factory=list)  # more paths the sandbox shows read-only (~ allowed)
+    sandbox_rw: list[str] = Field(default_factory=list)  # ... and read-write (e.g. ~/.claude, the CLI's login)
+    sandbox_hide: list[str] = Field(default_factory=list)  # more paths it hides (besides the fleet's own)
+
+    _env_names = field_validator("agent_env")(classmethod(lambda cls, v: _agent_env_names(v)))
+    _paths = field_validator("sandbox_ro", "sandbox_rw", "sandbox_hide")(classmethod(lambda cls, v: _sandbox_paths(v)))
+
+
 class PoolConfig(_Strict):
     """A capacity pool (an account, a subscription, a local GPU): slots across the whole fleet."""
 
     slots: int | None = Field(default=None, ge=0)  # None: unlimited
 
 
-class ProfileConfig(_Strict):
-    """A named dispatch configuration: how to start an agent, and which model each tier runs."""
+class ProfileConfig(_AgentAccess):
+    """A named dispatch configuration: how to start an agent, and which model each tier runs (and
+    what its agents may see, added to the lane's)."""
 
     command: list[str] | None = Field(default=None, min_length=1)  # default: the agent's own
     agent: str | None = None  # the adapter (claude, codex, opencode, gemini, generic); default: from the program
@@ -182,7 +228,7 @@ class PriceConfig(_Strict):
     cache_write: float | None = Field(default=None, ge=0)  # default: input
 
 
-class LaneConfig(_Strict):
+class LaneConfig(_AgentAccess):
     command: list[str] | None = Field(default=None, min_length=1)  # or a profile's, or the agent's own
     agent: str | None = None  # the adapter of `command` (default: from its program name)
     instructions: Path | None = None  # default: lane_instructions/<lane>.md

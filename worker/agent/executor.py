@@ -3,9 +3,12 @@
 - The argv template takes ``{prompt_file}``, ``{workspace}``, ``{model}``, ``{task_id}`` and
   ``{agent_session}`` (empty when there is none yet). A leading ``python``/``python3`` means
   this interpreter, so an agent shipped in the package runs in lanefleet's own environment.
-- cwd is the workspace; the environment gets FLEET_TASK_ID, FLEET_TASK_KEY, FLEET_LANE,
-  FLEET_ATTEMPT, FLEET_WORKSPACE (plus FLEET_MODEL, FLEET_AGENT_SESSION) and loses the
-  database credentials, which an agent never needs.
+- cwd is the workspace; the environment is an allow-list (:func:`agent_env`): the base set
+  (:data:`BASE_ENV`: PATH, HOME, the user, locale and terminal), the task's variables the shift
+  sets (:data:`TASK_ENV`: FLEET_TASK_ID, FLEET_TASK_KEY, FLEET_LANE, FLEET_ATTEMPT, FLEET_WORKSPACE,
+  FLEET_MODEL, …), and what the lane or profile names (``agent_env``, ``agent_env_file``). Nothing
+  else of the shift's environment: not its database URL, keys or config (worker/agent/sandbox.py).
+- Under ``sandbox = "bwrap"`` the argv is prefixed with bubblewrap's (:mod:`worker.agent.sandbox`).
 - stdin is the task's prompt file; stdout and stderr go straight to the run's log file (the file
   is the child's stdout: nothing is buffered in the shift, so a killed run still leaves its log),
   which the agent's adapter (worker.agent.adapters) reads as it grows.
@@ -21,14 +24,26 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 EX_TEMPFAIL = 75
 
-# never handed to an agent: it talks to its workspace, not to the queue's database
-_SECRET_ENV = ("DATABASE_URL", "FLEET_DATABASE__URL", "FLEET_SUPABASE__KEY", "SUPABASE_SERVICE_ROLE_KEY",
-               "SUPABASE_JWT_SECRET", "FLEET_SUPABASE_KEY", "PGPASSWORD")
+#: what every agent gets of the shift's environment (and LC_*): where programs are, who and where
+#: it is, its locale and terminal, and how long its `fleet guard` waits for the shift's answer.
+#: Anything else only when its lane or profile names it.
+BASE_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "COLORTERM",
+                      "NO_COLOR", "FORCE_COLOR", "CLICOLOR", "CLICOLOR_FORCE", "FLEET_GUARD_TIMEOUT"})
+BASE_PREFIXES = ("LC_",)
+#: the variables the shift sets for an agent, a gate or a batch step (never taken from its own
+#: environment): the task, its dispatch, and ``fleet guard``'s
+TASK_ENV = frozenset({
+    "FLEET_TASK_ID", "FLEET_TASK_KEY", "FLEET_LANE", "FLEET_ATTEMPT", "FLEET_WORKSPACE", "FLEET_MODEL",
+    "FLEET_TIER", "FLEET_PROFILE", "FLEET_AGENT_SESSION", "FLEET_GATE",
+    "FLEET_GUARD_SOCKET", "FLEET_LEASE_TOKEN", "FLEET_BIN", "FLEET_GUARD_TASK",
+    "FLEET_BATCH_ID", "FLEET_BATCH_CARRIER", "FLEET_BATCH_BRANCH", "FLEET_BATCH_MEMBERS", "FLEET_BATCH_SHIP_RERUN",
+    "PATH",  # the guard's: its folder holding `fleet` first (worker/shift/guard.py)
+})
 _PLACEHOLDER = re.compile(r"\{(prompt_file|workspace|model|task_id|agent_session)\}")
 
 
@@ -52,10 +67,25 @@ def render_argv(template: list[str], values: Mapping[str, str]) -> list[str]:
     return argv
 
 
-def agent_env(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in base.items() if k not in _SECRET_ENV}
-    env.update(extra)
+def base_env(base: Mapping[str, str], names: Iterable[str] = (), values: Mapping[str, str] | None = None
+             ) -> dict[str, str]:
+    """What an agent gets before its task's variables: of ``base`` (the shift's environment) the
+    :data:`BASE_ENV` variables, ``LC_*`` and ``names`` (a lane's ``agent_env``), then ``values``
+    (its ``agent_env_file``)."""
+    allowed = set(names)
+    env = {k: v for k, v in base.items() if k in BASE_ENV or k.startswith(BASE_PREFIXES) or k in allowed}
+    env.update(values or {})
     return env
+
+
+def agent_env(base: Mapping[str, str], task: Mapping[str, str], *, names: Iterable[str] = (),
+              values: Mapping[str, str] | None = None) -> dict[str, str]:
+    """An agent's whole environment: :func:`base_env`, then the task's variables (``task``: only
+    :data:`TASK_ENV` names, which nothing else overrides)."""
+    unknown = sorted(set(task) - TASK_ENV)
+    if unknown:
+        raise ValueError(f"not a task variable of the executor contract: {', '.join(unknown)}")
+    return {**base_env(base, names, values), **task}
 
 
 def tail(path: Path, limit: int = 4000) -> str:
@@ -74,20 +104,26 @@ class AgentProcess:
     """One agent under its supervisor. Close the pipe (``kill``) and the agent's group dies."""
 
     def __init__(self, argv: list[str], *, cwd: Path, env: Mapping[str, str], log_path: Path,
-                 stdin: Path | None = None) -> None:
-        """``stdin``: a file the agent reads on its standard input (the prompt; else nothing)."""
+                 stdin: Path | None = None, sandbox: Sequence[str] = ()) -> None:
+        """``stdin``: a file the agent reads on its standard input (the prompt; else nothing).
+        ``sandbox``: the argv prefix that runs it in a sandbox (worker.agent.sandbox), if any."""
         self.argv = argv
         self.log_path = log_path
+        self.sandboxed = bool(sandbox)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         read_end, self._write_end = os.pipe()  # both ends close-on-exec; the child gets read_end only
         os.set_blocking(self._write_end, False)  # fence() from the fence's thread never waits
+        marker = ["--sandboxed"] if sandbox else []
         try:
-            with log_path.open("ab", buffering=0) as log, \
+            # the log is the agent's output: its owner's alone, as what an agent prints may be a secret
+            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            with os.fdopen(log_fd, "ab", buffering=0) as log, \
                     (stdin.open("rb") if stdin is not None else open(os.devnull, "rb")) as given:
                 self.proc = subprocess.Popen(
                     # -P: the cwd is the task's workspace, whose own `worker/` must not shadow ours
-                    [sys.executable, "-P", "-m", "worker.agent.supervisor", str(read_end), "--", *argv],
+                    [sys.executable, "-P", "-m", "worker.agent.supervisor", str(read_end), *marker, "--",
+                     *sandbox, *argv],
                     cwd=cwd, env=dict(env), stdin=given, stdout=log,
                     stderr=subprocess.STDOUT, pass_fds=(read_end,), start_new_session=True,
                 )

@@ -15,7 +15,12 @@ seconds, each renewal moving them on): if the shift does not move them in time �
 SIGTERM at the first and SIGKILL at the second (worker/shift/fence.py).
 
 SIGTERM, SIGINT and SIGHUP sent to the supervisor are forwarded to the agent's group, so the
-shift can ask for a graceful stop. When the agent exits, whatever it left running in its group
+shift can ask for a graceful stop. ``FD --sandboxed -- bwrap … -- ARGV``: the agent runs in a
+sandbox (worker/agent/sandbox.py) whose launcher, the supervisor's child, does not pass signals on
+and would die of them at once, leaving the supervisor to SIGKILL the group before the agent could
+stop: a graceful stop then goes to the group's other processes (the agent and its own), and the
+launcher ends when the agent does, with its exit code. SIGKILL still goes to the whole group, and
+killing the launcher tears down the sandbox's PID namespace, whatever is in it. When the agent exits, whatever it left running in its group
 is killed too. The supervisor exits with the agent's exit code (128+N when it died of signal N).
 """
 
@@ -41,6 +46,36 @@ def _kill_group(pgid: int, sig: int) -> None:
 _stop_forwarded = threading.Event()  # the shift asked the agent to stop (SIGTERM forwarded) already
 
 
+def _group(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` (from /proc)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            found.append(int(entry.name))
+    return found
+
+
+def _ask_stop(pgid: int, sig: int, sandboxed: bool) -> None:
+    """A graceful stop for the agent's group: all of it, or in a sandbox all but its launcher
+    (the group leader, ``pgid`` itself; see the module doc)."""
+    if not sandboxed:
+        _kill_group(pgid, sig)
+        return
+    for pid in _group(pgid):
+        if pid != pgid:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 def _deadlines(line: bytes) -> tuple[float, float] | None:
     """``fence <term_at> <kill_at>`` (monotonic seconds) → (term_at, kill_at); None if not that."""
     parts = line.split()
@@ -52,7 +87,7 @@ def _deadlines(line: bytes) -> tuple[float, float] | None:
         return None
 
 
-def _watch(fd: int, pgid: int, clock: Callable[[], float] = time.monotonic) -> None:
+def _watch(fd: int, pgid: int, clock: Callable[[], float] = time.monotonic, sandboxed: bool = False) -> None:
     """Block on the shift's pipe. EOF: the shift died or asked for the kill. A line ``fence T K``:
     the shift's lease certainly holds until a moment it computed; unless a later line moves them,
     SIGTERM the agent's group at T and SIGKILL it at K (CLOCK_MONOTONIC, the same clock in every
@@ -70,7 +105,7 @@ def _watch(fd: int, pgid: int, clock: Callable[[], float] = time.monotonic) -> N
                 break
             if term_at is not None and not termed and now >= term_at:
                 if not _stop_forwarded.is_set():  # the shift's own fence did not get to it
-                    _kill_group(pgid, signal.SIGTERM)
+                    _ask_stop(pgid, signal.SIGTERM, sandboxed)
                 termed = True
             timeout = (kill_at if termed or term_at is None else term_at) - now
         try:
@@ -100,8 +135,11 @@ def _watch(fd: int, pgid: int, clock: Callable[[], float] = time.monotonic) -> N
 
 
 def main(argv: list[str]) -> int:
+    sandboxed = len(argv) > 1 and argv[1] == "--sandboxed"
+    if sandboxed:
+        argv = [argv[0], *argv[2:]]
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m worker.agent.supervisor FD -- ARGV...", file=sys.stderr)
+        print("usage: python -m worker.agent.supervisor FD [--sandboxed] -- ARGV...", file=sys.stderr)
         return 2
     fd = int(argv[0])
     command = argv[2:]
@@ -109,7 +147,7 @@ def main(argv: list[str]) -> int:
 
     def forward(signum: int, _frame: object) -> None:
         if agent_pid:
-            _kill_group(agent_pid[0], signum)
+            _ask_stop(agent_pid[0], signum, sandboxed)
             _stop_forwarded.set()
 
     # handlers before the agent exists: a signal in between must not kill the supervisor alone
@@ -121,7 +159,7 @@ def main(argv: list[str]) -> int:
         print(f"lanefleet: cannot start the agent {command[0]!r}: {exc.strerror}", file=sys.stderr)
         return 127
     agent_pid.append(agent.pid)
-    threading.Thread(target=_watch, args=(fd, agent.pid), daemon=True).start()
+    threading.Thread(target=_watch, args=(fd, agent.pid), kwargs={"sandboxed": sandboxed}, daemon=True).start()
     code = agent.wait()
     _kill_group(agent.pid, signal.SIGKILL)  # what the agent left behind in its group
     return 128 - code if code < 0 else code

@@ -41,3 +41,12 @@ def profiles(ctx: typer.Context, as_json: JsonTablesOpt = False) -> None:
             table.add_row(lane, d["pool"] or "-", d["profile"] or "(lane command)", d["agent"], d["tier"] or "-",
                           escape(d["model"] or "-"), escape(" ".join(d["argv"])))
     console.print(table)
+    # what each lane's agents may see of the host (names and paths, never a value)
+    table = Table(title="lanes: what their agents see (environment, sandbox)", title_justify="left")
+    for col in ("lane", "profile", "sees"):
+        table.add_column(col)
+    for lane, rows in data["lanes"].items():
+        seen = dict.fromkeys((d["profile"] or "(lane command)", d["access"]["summary"]) for d in rows)
+        for profile, summary in seen:
+            table.add_row(lane, profile, escape(summary))
+    console.print(table)

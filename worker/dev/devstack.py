@@ -10,7 +10,8 @@ install when missing and we are root). lanefleet's migrations are applied with
 :func:`worker.db.migrate.migrate`, which also creates the Supabase roles a bare PostgreSQL lacks. The
 stack's state (ports, pids, secrets) is in ``<home>/stack.json`` and its environment in
 ``<home>/stack.env`` (SUPABASE_URL, SUPABASE_ANON_KEY, SUPABASE_SERVICE_ROLE_KEY,
-SUPABASE_JWT_SECRET, SUPABASE_DB_URL), both mode 0600. Processes are stopped by their recorded pid,
+SUPABASE_JWT_SECRET, SUPABASE_DB_URL); every file holding a key or a password (those two,
+PostgREST's config, nginx's) is mode 0600. Processes are stopped by their recorded pid,
 and only if that pid still runs the program that was started.
 
 Unlike hosted Supabase, only ``/rest/v1`` exists (no auth, storage or realtime), and only the
@@ -513,7 +514,7 @@ def _start_nginx(stack: DevStack, binary: Path) -> None:
     ngx = stack.home / "nginx"
     (ngx / "tmp").mkdir(parents=True, exist_ok=True)
     conf = ngx / "nginx.conf"
-    conf.write_text(_nginx_conf(stack, ngx))
+    _write_private(conf, _nginx_conf(stack, ngx))  # it holds the anon and service_role keys
     err = stack.logs / "nginx-error.log"
     test = subprocess.run([str(binary), "-t", "-q", "-p", str(ngx), "-c", str(conf), "-e", str(err)],
                           capture_output=True, text=True, timeout=30, check=False)

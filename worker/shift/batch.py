@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from uuid import UUID
 
 from worker.agent.adapters import ADAPTERS, StreamReader
-from worker.agent.executor import AgentProcess, agent_env, render_argv, tail
+from worker.agent.executor import AgentProcess, render_argv, tail
 from worker.agent.prices import run_report, spent
 from worker.config import FleetConfig, LaneConfig
 from worker.errors import ConfigError, DatabaseUnavailable, FleetError, LeaseLost
@@ -96,10 +96,10 @@ class BatchShift(Protocol):
     def task_budget(self, task: Task, log: Any) -> tuple[tuple[float | None, int | None], tuple[float, int]]: ...
     def task_env(self, task: Task, ws: Workspace, d: Dispatch, *, attempt: int | None = None,
                  lease: UUID | None = None, **extra: str) -> dict[str, str]: ...
-    def guard_env(self, lease: UUID | None) -> dict[str, str]: ...
-    def start_gate(self, ws: Workspace, env: dict[str, str], gate_log: Path) -> AgentProcess: ...
+    def environment(self, d: Dispatch, lease: UUID | None, **task_vars: str) -> dict[str, str]: ...
+    def start_gate(self, ws: Workspace, env: dict[str, str], gate_log: Path, d: Dispatch) -> AgentProcess: ...
     def agent_process(self, argv: list[str], *, cwd: Path, env: dict[str, str], log_path: Path,
-                      stdin: Path | None = None) -> AgentProcess: ...
+                      dispatch: Dispatch, stdin: Path | None = None) -> AgentProcess: ...
     def count(self, outcome: str) -> None: ...
 
 
@@ -203,6 +203,10 @@ class BatchRunner:
             self.lease_gone("lost")
         except DatabaseUnavailable as exc:  # the step is tried again at the next call
             self.log.warning("batch step failed; will try again", state=self.state, error=str(exc))
+        except OSError as exc:  # a step's process could not be started (not found, no sandbox)
+            self.running = None
+            self._block("automation-broken", f"could not start the batch's next process: {exc}",
+                        self.member["n"] if self.member is not None else None)
 
     def _setup(self) -> None:
         from worker.workspace.git import ensure_integration_branch, integration_branch
@@ -274,7 +278,7 @@ class BatchRunner:
         env = self._env(member_task, ws)
         if m["state"] == "running" and m.get("gate") in ("pending", *INCONCLUSIVE) and self.lane.verify:
             self.log.info("batch: member continues at its verify gate", n=m["n"], gate=m.get("gate"))
-            self._start_gate(ws, env)
+            self._start_gate(ws, env, member_task)
             return
         self.budget, self.spent_before = self.shift.task_budget(member_task, self.log)  # for the run's own spend
         d = self._dispatch(member_task)
@@ -284,14 +288,14 @@ class BatchRunner:
                   "task_id": str(member_task.id), "agent_session": member_task.agent_session or ""}
         log = self._log_path(m, "agent")
         self.running = _Proc("agent", self.shift.agent_process(d.argv(values), cwd=ws.root, env=env,
-                                                               log_path=log, stdin=ws.prompt_file))
+                                                               log_path=log, stdin=ws.prompt_file, dispatch=d))
         self.log.info("batch member started", n=m["n"], key=m["key"], branch=branch, cut=str(m["cut_sha"])[:12],
                       pid=self.running.proc.pid, dispatch=d.describe())
 
-    def _dispatch(self, member_task: Task) -> Any:
+    def _dispatch(self, member_task: Task | None) -> Dispatch:
         # the batch's profile, recorded at creation, for every member and every recovery
         return resolve(self.shift.cfg, self.shift.lane_name, self.batch.get("profile") or self.task.run_profile,
-                       member_task.tier)
+                       member_task.tier if member_task is not None else None)
 
     def _env(self, member_task: Task, ws: Any) -> dict[str, str]:
         # the member runs under the carrier's claim: its attempt, and `fleet guard` checks its lease
@@ -305,9 +309,10 @@ class BatchRunner:
         return (self.shift.workspaces / self.shift.lane_name / "logs"
                 / f"batch-{self.batch_id}-{who}-{what}-a{self.task.attempts}-{stamp}.log")
 
-    def _start_gate(self, ws: Any, env: dict[str, str]) -> None:
+    def _start_gate(self, ws: Any, env: dict[str, str], member_task: Task) -> None:
         assert self.member is not None
-        self.running = _Proc("gate", self.shift.start_gate(ws, env, self._log_path(self.member, "gate")),
+        self.running = _Proc("gate", self.shift.start_gate(ws, env, self._log_path(self.member, "gate"),
+                                                           self._dispatch(member_task)),
                              until=time.monotonic() + self.lane.verify_timeout)
         self.log.info("batch member's verify gate started", n=self.member["n"])
 
@@ -366,7 +371,7 @@ class BatchRunner:
         elif self.lane.verify:
             member_task = self.shift.store.get_task(int(m["task_id"]))
             ws = self._ws(m)
-            self._start_gate(ws, self._env(member_task, ws))
+            self._start_gate(ws, self._env(member_task, ws), member_task)
         else:
             self._follow(self._call("batch_member_gate", p_n=m["n"], p_gate="ok"), "ok", m)
 
@@ -456,12 +461,12 @@ class BatchRunner:
         return [m["key"] for m in self.batch["members"] if m["state"] == "landed"]
 
     def _tail_env(self, ws: Any) -> dict[str, str]:
-        return agent_env(os.environ, {
+        # as a member's: the batch's profile's rules (an allow-list, the sandbox), under the carrier's lease
+        return self.shift.environment(self._dispatch(None), self.token, **{
             "FLEET_LANE": self.shift.lane_name, "FLEET_WORKSPACE": str(ws.root), "FLEET_BATCH_ID": str(self.batch_id),
             "FLEET_BATCH_BRANCH": str(self.batch["integration_branch"]),
             "FLEET_BATCH_MEMBERS": " ".join(self._landed_keys()),
             "FLEET_TASK_ID": str(self.task.id), "FLEET_TASK_KEY": self.task.key, "FLEET_GUARD_TASK": str(self.task.id),
-            **self.shift.guard_env(self.token),
         })
 
     def _tail(self) -> None:
@@ -491,7 +496,8 @@ class BatchRunner:
                                  starts=len(report["ship_started"]))
             self._call("batch_tail", p_step="ship_started", p_outcome={"attempt": self.task.attempts})
         self.running = _Proc(step, self.shift.agent_process(render_argv(argv, values), cwd=ws.root, env=env,
-                                                            log_path=self._log_path(None, step)),
+                                                            log_path=self._log_path(None, step),
+                                                            dispatch=self._dispatch(None)),
                              until=time.monotonic() + self.lane.verify_timeout if step == "batch_verify" else None)
         self.log.info(f"batch {step} started", pid=self.running.proc.pid)
 

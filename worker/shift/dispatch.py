@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from worker.agent.adapters import Adapter, agent_of
 from worker.agent.executor import render_argv
+from worker.agent.sandbox import AgentRules, rules_for
 from worker.config import FleetConfig
 
 GateOutcome = Literal["ok", "task-failed", "automation-broken", "capability-unavailable"]
@@ -154,9 +155,17 @@ def resolved(cfg: FleetConfig) -> dict[str, Any]:
     lanes = {}
     for name in cfg.lanes:
         lanes[name] = [{"pool": d.pool, "profile": d.profile, "agent": d.agent, "tier": d.tier, "model": d.model,
-                        "argv": d.argv({**SAMPLE_VALUES, "model": d.model or ""})}
+                        "argv": d.argv({**SAMPLE_VALUES, "model": d.model or ""}),
+                        "access": access(rules_for(cfg, name, d.profile, d.agent))}
                        for d in lane_dispatch(cfg, name)]
     return {"profiles": profiles, "lanes": lanes}
+
+
+def access(rules: AgentRules) -> dict[str, Any]:
+    """What the agents of a dispatch may see (worker.agent.sandbox): names and paths, never a value."""
+    return {"sandbox": rules.sandbox, "sandbox_from": rules.sandbox_from, "agent_env": list(rules.env),
+            "agent_env_files": [str(path) for _, path in rules.env_files], "sandbox_ro": list(rules.ro),
+            "sandbox_rw": list(rules.rw), "sandbox_hide": list(rules.hide), "summary": rules.describe()}
 
 
 def _profile_dispatch(cfg: FleetConfig, name: str) -> Dispatch:

@@ -2,8 +2,8 @@
 
 An agent whose claim evaporated (its shift was declared lost, its lease expired and was repaired,
 an operator cancelled the task) must not push a branch or open a pull request on work someone
-else now owns. Agents have no database credentials (worker/agent/executor.py strips them), so the shift
-answers for them:
+else now owns. Agents have no database credentials (their environment is an allow-list,
+worker/agent/executor.py; under bwrap they cannot read the fleet's files), so the shift answers for them:
 
 - :class:`GuardServer`, started by each shift, serves a Unix socket (mode 0600, in a private
   directory): one JSON line per request, ``{"task": 12, "token": "<lease token>"}``, answered with

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -30,14 +31,22 @@ from uuid import UUID
 import structlog
 
 from worker.agent.adapters import ADAPTERS, Reading, StreamReader, Tokens
-from worker.agent.executor import EX_TEMPFAIL, AgentProcess, agent_env, render_argv, tail
+from worker.agent.executor import EX_TEMPFAIL, AgentProcess, agent_env, base_env, render_argv, tail
 from worker.agent.prices import run_report, spent
+from worker.agent.sandbox import (
+    AgentRules,
+    CannotConfine,
+    Sandbox,
+    bwrap_problem,
+    read_env_file,
+    rules_for,
+)
 from worker.config import FleetConfig, LaneConfig
-from worker.errors import DatabaseUnavailable, FleetError, LeaseLost, SessionLost
+from worker.errors import ConfigError, DatabaseUnavailable, FleetError, LeaseLost, SessionLost
 from worker.models import LaneHandoff, Task
 from worker.proc import process_start_time
 from worker.shift.batch import BatchRunner
-from worker.shift.dispatch import Dispatch, banner, classify_gate, resolve
+from worker.shift.dispatch import Dispatch, banner, classify_gate, lane_dispatch, resolve
 from worker.shift.fence import Fence, term_window
 from worker.shift.guard import GuardServer
 from worker.shift.limits import judge
@@ -147,6 +156,11 @@ class Shift:
         self._claim_delay = poll_seconds
         self._next_claim = 0.0
         self._busy_at_empty = 0
+        # what agents may see (worker.agent.sandbox): the rules of each dispatch, the agent_env_files
+        # read (at the start, and then at the first use of a profile only a task named)
+        self._rules: dict[tuple[str | None, str], AgentRules] = {}
+        self._env_files: dict[Path, dict[str, str]] = {}
+        self._sandbox: Sandbox | None = None
 
     # -- signals
 
@@ -170,6 +184,7 @@ class Shift:
     # -- the loop
 
     def run(self) -> ShiftSummary:
+        self.preflight()  # before anything is written: a shift whose agents cannot run as asked refuses
         pid = os.getpid()
         session = self.store.open_session(self.lane_name, self.host, pid, process_start_time(pid),
                                           max(1, math.ceil(self.max_seconds)))
@@ -188,6 +203,8 @@ class Shift:
         # what this lane's agents run, resolved exactly as a spawn resolves it (`fleet profiles`)
         self.log.info("dispatch", dispatch=banner(self.cfg, self.lane_name),
                       verify=" ".join(self.lane.verify) if self.lane.verify else None)
+        self.log.info("what agents see", access=sorted({self.rules(d).describe()
+                                                        for d in lane_dispatch(self.cfg, self.lane_name)}))
         self.deadline = time.monotonic() + self.max_seconds
         self.deadline_at = datetime.now(UTC) + timedelta(seconds=self.max_seconds)
         next_heartbeat = time.monotonic()  # at once: the database says how long its lease holds
@@ -333,13 +350,13 @@ class Shift:
             self._touch_workspace(task, ws)
             env = self.task_env(task, ws, d)
             if gate_only:
-                agent = self.start_gate(ws, env, _gate_log(log_path))
+                agent = self.start_gate(ws, env, _gate_log(log_path), d)
             else:
                 values = {"prompt_file": str(ws.prompt_file), "workspace": str(ws.root),
                           "model": d.model or "", "task_id": str(task.id),
                           "agent_session": session or ""}
                 agent = self.agent_process(d.argv(values), cwd=ws.root, env=env, log_path=log_path,
-                                           stdin=ws.prompt_file)
+                                           stdin=ws.prompt_file, dispatch=d)
         except OSError as exc:
             log.error("could not start the agent", error=str(exc))
             error, token = f"could not start the agent: {exc}", task.lease_token
@@ -387,34 +404,106 @@ class Shift:
                  lease: UUID | None = None, **extra: str) -> dict[str, str]:
         """An agent's (or a gate's) environment. ``attempt`` and ``lease``: the task's own unless
         given (a batch member runs under its carrier's claim); ``extra``: more FLEET_* variables."""
-        return agent_env(os.environ, {
+        return self.environment(d, task.lease_token if lease is None else lease, **{
             "FLEET_TASK_ID": str(task.id), "FLEET_TASK_KEY": task.key, "FLEET_LANE": self.lane_name,
             "FLEET_ATTEMPT": str(task.attempts if attempt is None else attempt), "FLEET_WORKSPACE": str(ws.root),
             "FLEET_MODEL": d.model or "", "FLEET_TIER": d.tier or "", "FLEET_PROFILE": d.profile or "",
             "FLEET_AGENT_SESSION": self.resumable(task, d) or "",
-            **self.guard_env(task.lease_token if lease is None else lease),
             **extra,
         })
 
-    def guard_env(self, lease: UUID | None) -> dict[str, str]:
-        """What an agent's environment gets from this shift's guard for ``lease`` (FLEET_GUARD_SOCKET,
-        FLEET_LEASE_TOKEN, FLEET_BIN and PATH with ``fleet`` first on it)."""
-        return self._guard.agent_env(lease, os.environ.get("PATH"))
+    def environment(self, d: Dispatch, lease: UUID | None, **task_vars: str) -> dict[str, str]:
+        """The environment of whatever the shift runs in a workspace for dispatch ``d`` (an agent, a
+        gate, a batch step): an allow-list (worker.agent.executor.agent_env) of the shift's own —
+        the base set and the names its lane and profile pass (``agent_env``) — then their
+        ``agent_env_file`` values, then ``task_vars`` (FLEET_*) and ``fleet guard``'s for ``lease``.
+        CannotConfine (an OSError) if an agent_env_file cannot be used."""
+        rules = self.rules(d)
+        values = self._env_values(rules)
+        path = base_env(os.environ, rules.env, values).get("PATH")
+        return agent_env(os.environ, {**task_vars, **self.guard_env(lease, path)}, names=rules.env, values=values)
 
-    def start_gate(self, ws: Workspace, env: dict[str, str], gate_log: Path) -> AgentProcess:
+    def guard_env(self, lease: UUID | None, path: str | None = None) -> dict[str, str]:
+        """What an agent's environment gets from this shift's guard for ``lease`` (FLEET_GUARD_SOCKET,
+        FLEET_LEASE_TOKEN, FLEET_BIN and PATH — ``path``, default the shift's — with ``fleet`` first on it)."""
+        return self._guard.agent_env(lease, path if path is not None else os.environ.get("PATH"))
+
+    # -- what agents may see (worker.agent.sandbox)
+
+    def rules(self, d: Dispatch) -> AgentRules:
+        """What the agents of dispatch ``d`` may see: its lane's settings and its profile's."""
+        key = (d.profile, d.agent)
+        if key not in self._rules:
+            self._rules[key] = rules_for(self.cfg, self.lane_name, d.profile, d.agent)
+        return self._rules[key]
+
+    def preflight(self) -> None:
+        """Refuse to start (a ConfigError: one line naming the field and the fix) a shift whose agents
+        could not run as their lane asks: an ``agent_env_file`` that is missing, not the shift
+        user's or readable by others; a bwrap sandbox this host cannot make. Checked for each
+        dispatch of the lane, before the shift opens its session: nothing is claimed or written."""
+        for d in lane_dispatch(self.cfg, self.lane_name):
+            rules = self.rules(d)
+            for where, path in rules.env_files:
+                self._env_file(where, path)
+            if rules.sandbox == "bwrap" and (why := bwrap_problem()) is not None:
+                raise ConfigError(*_no_sandbox(self.lane_name, rules, why))
+            missing = [name for name in rules.env if name not in os.environ]
+            if missing:
+                self.log.warning("agent_env names variables the shift's environment does not have",
+                                 where=rules.where, missing=missing)
+
+    def _env_file(self, where: str, path: Path) -> dict[str, str]:
+        if path not in self._env_files:
+            self._env_files[path] = read_env_file(where, path)
+        return self._env_files[path]
+
+    def _env_values(self, rules: AgentRules) -> dict[str, str]:
+        """The rules' agent_env_file values (a profile's over its lane's)."""
+        values: dict[str, str] = {}
+        for where, path in rules.env_files:
+            try:
+                values.update(self._env_file(where, path))
+            except ConfigError as exc:  # a profile only a task named: its attempt fails with the reason
+                raise CannotConfine(str(exc)) from None
+        return values
+
+    def sandbox(self) -> Sandbox:
+        """The bwrap prefix maker of this shift's agents (made at its first use, once the guard runs)."""
+        if self._sandbox is None:
+            guard: GuardServer | None = getattr(self, "_guard", None)
+            sock = guard.socket_path if guard is not None and guard.running else None
+            self._sandbox = Sandbox(self.cfg, os.environ, guard_dir=sock.parent if sock is not None else None)
+        return self._sandbox
+
+    def start_gate(self, ws: Workspace, env: dict[str, str], gate_log: Path, d: Dispatch) -> AgentProcess:
         """The lane's verify gate in the workspace, under a supervisor like an agent (it dies with
-        the shift), writing to ``gate_log``."""
+        the shift; in the agent's sandbox, since it runs the agent's work), writing to ``gate_log``."""
         assert self.lane.verify is not None
         argv = render_argv(self.lane.verify, {"workspace": str(ws.root), "task_id": env["FLEET_TASK_ID"],
                                               "model": env["FLEET_MODEL"], "prompt_file": str(ws.prompt_file),
                                               "agent_session": env["FLEET_AGENT_SESSION"]})
-        return self.agent_process(argv, cwd=ws.root, env={**env, "FLEET_GATE": "1"}, log_path=gate_log)
+        return self.agent_process(argv, cwd=ws.root, env={**env, "FLEET_GATE": "1"}, log_path=gate_log, dispatch=d)
 
     def agent_process(self, argv: list[str], *, cwd: Path, env: dict[str, str], log_path: Path,
-                      stdin: Path | None = None) -> AgentProcess:
-        """Start an agent (or a gate, or a batch step) under its supervisor, which is told at once
-        when this shift's lease could run out (see worker/shift/fence.py)."""
-        proc = AgentProcess(argv, cwd=cwd, env=env, log_path=log_path, stdin=stdin)
+                      dispatch: Dispatch, stdin: Path | None = None) -> AgentProcess:
+        """Start an agent (or a gate, or a batch step) of ``dispatch`` under its supervisor, which is
+        told at once when this shift's lease could run out (see worker/shift/fence.py); in a bwrap
+        sandbox when its rules say so (OSError when it cannot be: the program is not found, or
+        CannotConfine, bwrap cannot run)."""
+        rules = self.rules(dispatch)
+        prefix: list[str] = []
+        if rules.sandbox == "bwrap":
+            why = bwrap_problem()
+            if why is not None:
+                raise CannotConfine(" ".join(_no_sandbox(self.lane_name, rules, why)))
+            name = argv[0] if os.path.isabs(argv[0]) or os.sep not in argv[0] else str(cwd / argv[0])
+            program = shutil.which(name, path=env.get("PATH", os.defpath))
+            if program is None:
+                raise FileNotFoundError(2, "command not found", argv[0])
+            prefix = self.sandbox().argv(rules, cwd, program=program,
+                                         writable=[self.mirror().path] if self.lane.repo else [])
+        proc = AgentProcess(argv, cwd=cwd, env=env, log_path=log_path, stdin=stdin, sandbox=prefix)
         if self._fence.term_at is not None and self._fence.kill_at is not None:
             proc.fence(self._fence.term_at, self._fence.kill_at)
         return proc
@@ -642,7 +731,7 @@ class Shift:
             # exit 0: the gate decides; the job keeps its slot while the gate runs
             try:
                 job.agent = self.start_gate(job.ws, self.task_env(task, job.ws, job.dispatch),
-                                             _gate_log(job.log_path))
+                                             _gate_log(job.log_path), job.dispatch)
             except OSError as exc:
                 self._end_gate(job, "automation-broken", f"the gate could not be started: {exc}")
                 return
@@ -849,6 +938,16 @@ class Shift:
         self.log.info("shift ended", reason=reason, claimed=self.summary.claimed, **self.summary.outcomes)
         self._fence.stop()
         self._guard.stop()  # last: an agent's `fleet guard` now finds no shift, and refuses
+
+
+def _no_sandbox(lane: str, rules: AgentRules, why: str) -> tuple[str, str]:
+    """The one-line refusal of an agent that asks for a sandbox this host cannot make, and its fix."""
+    field = rules.sandbox_from if rules.sandbox_from.endswith(".sandbox") else None
+    section = field.rsplit(".", 1)[0] if field else f"lanes.{lane}"
+    asked = f"{field} = \"bwrap\"" if field else rules.sandbox_from
+    return (f"lanes.{lane}: its agents ({rules.where}) run in a bwrap sandbox ({asked}), but {why}; "
+            "they are not started unsandboxed",
+            f"install bubblewrap, e.g. apt-get install bubblewrap, or set sandbox = \"none\" in [{section}]")
 
 
 def _values(d: dict[int, Any]) -> list[Any]:

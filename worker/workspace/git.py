@@ -395,6 +395,8 @@ class Mirror:
                 self.run("config", "--add", "remote.origin.fetch", spec, git_dir=tmp)
             # reflogs for the worktree branches: how an operator finds a lost commit again
             self.run("config", "core.logAllRefUpdates", "true", git_dir=tmp)
+            # the repository's URL may carry a token (https://user:token@host/…): its owner's alone
+            os.chmod(tmp / "config", 0o600)
             self._write_excludes(tmp)
             self.run("fetch", "--prune", "--quiet", "origin", git_dir=tmp)
             os.rename(tmp, self.path)
