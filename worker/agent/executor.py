@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -112,6 +113,7 @@ class AgentProcess:
         self.sandboxed = bool(sandbox)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self.fenced_from: float | None = None  # the last SIGTERM moment its supervisor was told of
         read_end, self._write_end = os.pipe()  # both ends close-on-exec; the child gets read_end only
         os.set_blocking(self._write_end, False)  # fence() from the fence's thread never waits
         marker = ["--sandboxed"] if sandbox else []
@@ -162,7 +164,13 @@ class AgentProcess:
             try:
                 os.write(self._write_end, f"fence {term_at:.3f} {kill_at:.3f}\n".encode())
             except (BlockingIOError, BrokenPipeError):
-                pass  # a full pipe (a supervisor not reading): the next renewal tries again
+                return  # a full pipe (a supervisor not reading), or one that is gone: not told
+            self.fenced_from = term_at
+
+    def fence_passed(self) -> bool:
+        """Its supervisor was told to stop it by now (and no later moment reached it): an exit now
+        may be the supervisor's doing, not the agent's."""
+        return self.fenced_from is not None and time.monotonic() >= self.fenced_from
 
     def wait(self, timeout: float | None = None) -> int:
         return self.proc.wait(timeout)

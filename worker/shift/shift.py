@@ -663,6 +663,9 @@ class Shift:
         }
 
     def _finish(self, job: Job, code: int) -> None:
+        # stopped by its supervisor at the fence's moment while this shift could not act (frozen,
+        # stalled): that is the fence's doing, not a failed attempt
+        job.fenced = job.fenced or job.agent.fence_passed()
         job.agent.release()
         task = job.task
         log = self.log.bind(task=task.id, key=task.key, attempt=task.attempts, exit_code=code)
@@ -779,6 +782,7 @@ class Shift:
         return reading.tokens.minus(before)
 
     def _finish_gate(self, job: Job, code: int, *, timed_out: bool = False) -> None:
+        job.fenced = job.fenced or job.agent.fence_passed()
         job.agent.release()
         if job.killed is not None:
             self.log.info("gate ended after its lease was gone", task=job.task.id, reason=job.killed)
