@@ -515,7 +515,7 @@ def test_a_worker_key_reads_its_lanes_tables_and_no_view(conn: psycopg.Connectio
 
     worker_a = {"role": "fleet_worker", "fleet_lanes": [laneworld.A]}
     for rel, kind in _relations(conn):
-        owner, mine = _read(conn, rel, worker_a)
+        _, mine = _read(conn, rel, worker_a)
         if isinstance(mine, str):  # no grant: the views, pools, profiles, the roll-ups
             assert mine == "42501", f"fleet.{rel}: {mine}"
             assert kind == "v" or rel in ("pools", "profiles", "lane_hours", "lane_hours_rollup"), rel
