@@ -562,3 +562,24 @@ def test_the_read_functions_give_a_lane_scoped_operator_its_lanes_only(conn: psy
     # and the roll-up, which writes every lane's hours, is refused
     with as_key(conn, "fleet_operator", op_a), refused("LF008"):
         conn.execute("select fleet.roll_up_lane_hours(0)")
+
+
+def test_every_view_is_read_only_for_every_key(conn: psycopg.Connection) -> None:
+    """SELECT is the only privilege a key role holds on a view, and each view has the read_only
+    trigger, so that a write is refused by the privilege check (42501) and never by "cannot update
+    view" (55000, an HTTP 500 through PostgREST)."""
+    views = [r[0] for r in conn.execute("select relname from pg_class where relnamespace = 'fleet'::regnamespace"
+                                        " and relkind = 'v' order by 1").fetchall()]
+    assert "lane_overview" in views
+    for view in views:
+        triggers = rows(conn, """select t.tgname, t.tgfoid::regproc::text as fn from pg_trigger t
+                                  where t.tgrelid = %s::regclass and not t.tgisinternal""", (f"fleet.{view}",))
+        assert triggers == [{"tgname": "read_only", "fn": "fleet._read_only_view"}], view
+        for role in ("fleet_operator", "fleet_worker", "anon", "authenticated"):
+            for privilege in ("INSERT", "UPDATE", "DELETE", "TRUNCATE"):
+                assert not one(conn, "select has_table_privilege(%s, %s, %s)", (role, f"fleet.{view}", privilege)), \
+                    (view, role, privilege)
+    # as the owner (every privilege), the trigger refuses
+    with refused("42501") as err:
+        conn.execute("insert into fleet.blocked_tasks (id, lane, key) values (1, 'a', 'k')")
+    assert "read-only view" in str(err.value)

@@ -427,6 +427,17 @@ def test_a_lane_a_key_learns_nothing_of_lane_b_anywhere(probe: Probe, role: str)
     assert w.b.task in w.b_ints
 
 
+def test_an_operator_key_of_every_lane_reads_every_view(probe: Probe) -> None:
+    """throughput_hourly and usage_by_lane_day included (their helpers are granted to operators)."""
+    p = probe
+    for bearer in (key(p.stack, "operator"), key(p.stack, "operator", ["*"])):
+        for rel in p.rels:
+            status, rows = p.request("GET", rel.name, bearer, params={"select": "*"})
+            assert status == 200, (rel.name, status, rows)
+            if "lane" in rel.columns:
+                assert {laneworld.A, laneworld.B} <= {r["lane"] for r in rows}, rel.name
+
+
 def test_every_relation_and_function_is_probed(probe: Probe) -> None:
     """What the walks cover is what the catalog has, and KNOWN names only functions that exist."""
     with psycopg.connect(probe.stack.db_url) as c:
