@@ -27,7 +27,8 @@ $$;
 revoke all on function fleet._event(text,text,bigint,uuid,jsonb) from public;
 grant execute on function fleet._event(text,text,bigint,uuid,jsonb) to service_role;
 
--- The lane row, or LF002 naming the lanes that do exist.
+-- The lane row, or LF002 naming the lanes that do exist (those the caller's key may work: a
+-- lane-scoped key never learns the names of the others).
 create or replace function fleet._lane(p_lane text)
 returns fleet.lanes
 language plpgsql
@@ -38,7 +39,8 @@ begin
     select * into l from fleet.lanes where name = p_lane;
     if not found then
         perform fleet._raise('LF002', format('unknown lane %L', p_lane),
-            'known lanes: ' || coalesce((select string_agg(name, ', ' order by name) from fleet.lanes), 'none')
+            'known lanes: ' || coalesce((select string_agg(name, ', ' order by name) from fleet.lanes
+                                          where fleet._lane_allowed(name)), 'none')
             || '; run `fleet lanes sync` after adding it to fleet.toml');
     end if;
     return l;
@@ -47,7 +49,11 @@ $$;
 revoke all on function fleet._lane(text) from public;
 grant execute on function fleet._lane(text) to service_role;
 
--- LF008 unless the caller may work lane p_lane. Called before a function writes anything.
+-- LF008 unless the caller may work lane p_lane. Called before a function writes anything, on a
+-- lane the caller named (an argument): the message names only what the caller gave. The lane of
+-- an object the caller named by id (a task, a session, a workspace) is checked where the object is
+-- looked up (fleet._lock_task, fleet._fenced, fleet._lock_session), so that another lane's object
+-- answers exactly as one that does not exist.
 create or replace function fleet._require_lane(p_lane text)
 returns void
 language plpgsql
@@ -82,9 +88,30 @@ as $$
                                                      coalesce(p_session_timeout_seconds, p_lease_seconds)))
 $$;
 revoke all on function fleet._lease_until(timestamptz,int,int) from public;
-grant execute on function fleet._lease_until(timestamptz,int,int) to service_role;
+-- (fleet_operator: fleet.stuck_tasks reads as its caller)
+grant execute on function fleet._lease_until(timestamptz,int,int) to fleet_operator, service_role;
 
--- The active session, locked, or LF006.
+-- A session of a lane the caller's key may work, locked, or LF006 "unknown session": a session of
+-- another lane answers exactly as one that does not exist (and is never locked: the lane is
+-- checked before the row lock is taken, so a call cannot even wait on another lane's session).
+create or replace function fleet._lock_session(p_session uuid)
+returns fleet.sessions
+language plpgsql
+as $$
+declare
+    s fleet.sessions;
+begin
+    select * into s from fleet.sessions where id = p_session and fleet._lane_allowed(lane) for no key update;
+    if not found then
+        perform fleet._raise('LF006', format('unknown session %s', p_session));
+    end if;
+    return s;
+end
+$$;
+revoke all on function fleet._lock_session(uuid) from public;
+grant execute on function fleet._lock_session(uuid) to service_role;
+
+-- The active session, locked, or LF006 (fleet._lock_session: unknown, or another lane's).
 create or replace function fleet._active_session(p_session uuid)
 returns fleet.sessions
 language plpgsql
@@ -92,11 +119,7 @@ as $$
 declare
     s fleet.sessions;
 begin
-    select * into s from fleet.sessions where id = p_session for no key update;
-    if not found then
-        perform fleet._raise('LF006', format('unknown session %s', p_session));
-    end if;
-    perform fleet._require_lane(s.lane);
+    s := fleet._lock_session(p_session);
     if s.state <> 'active' then
         perform fleet._raise('LF006',
             format('session %s is %s (%s); its tasks were released', p_session, s.state,
@@ -108,7 +131,8 @@ $$;
 revoke all on function fleet._active_session(uuid) from public;
 grant execute on function fleet._active_session(uuid) to service_role;
 
--- Lock a running task whose lease p_token holds, or raise: LF003 if there is no such task,
+-- Lock a running task whose lease p_token holds, or raise: LF003 if there is no such task (or it
+-- is a task of a lane the caller's key may not work: the same answer, and no lock taken on it),
 -- LF001 ("lease lost") if the token does not hold it. The fence of every worker call.
 create or replace function fleet._fenced(p_task bigint, p_token uuid)
 returns fleet.tasks
@@ -117,11 +141,7 @@ as $$
 declare
     t fleet.tasks;
 begin
-    select * into t from fleet.tasks where id = p_task for no key update;
-    if not found then
-        perform fleet._raise('LF003', format('unknown task %s', p_task));
-    end if;
-    perform fleet._require_lane(t.lane);
+    t := fleet._lock_task(p_task);
     if t.state <> 'running' or p_token is null or t.lease_token <> p_token then
         perform fleet._raise('LF001',
             format('lease lost: task %s is %s and this lease no longer holds it', p_task, t.state));
@@ -132,8 +152,10 @@ $$;
 revoke all on function fleet._fenced(bigint,uuid) from public;
 grant execute on function fleet._fenced(bigint,uuid) to service_role;
 
--- Lock a task for an operator's transition, or raise: LF003 if there is no such task, LF008 if
--- the caller's key may not work its lane. (What cancel, retry, resume and the reviews share.)
+-- Lock a task of a lane the caller's key may work, or raise LF003 "unknown task": a task of another
+-- lane answers exactly as one that does not exist. The lane is part of the lookup, so another
+-- lane's task is never locked (nor waited on). (What _fenced, cancel, retry, resume and the
+-- reviews share.)
 create or replace function fleet._lock_task(p_task bigint)
 returns fleet.tasks
 language plpgsql
@@ -141,11 +163,10 @@ as $$
 declare
     t fleet.tasks;
 begin
-    select * into t from fleet.tasks where id = p_task for no key update;
+    select * into t from fleet.tasks where id = p_task and fleet._lane_allowed(lane) for no key update;
     if not found then
         perform fleet._raise('LF003', format('unknown task %s', p_task));
     end if;
-    perform fleet._require_lane(t.lane);
     return t;
 end
 $$;
@@ -214,4 +235,5 @@ as $$
     select date_bin('1 hour', p_ts, timestamptz '2000-01-01 00:00:00+00');
 $$;
 revoke all on function fleet._utc_hour(timestamp with time zone) from public;
-grant execute on function fleet._utc_hour(timestamp with time zone) to service_role;
+-- (fleet_operator: fleet.throughput_hourly and fleet.usage_by_lane_day read as their caller)
+grant execute on function fleet._utc_hour(timestamp with time zone) to fleet_operator, service_role;

@@ -134,8 +134,8 @@ grant execute on function fleet.checkpoint(bigint,uuid,jsonb) to fleet_worker, s
 -- still holds from the database's now() (0 when not held): `fleet guard` acts only if its own
 -- round trip was shorter. `state` is the task's state, 'unknown' when there is no such task;
 -- token_matches: the task runs under p_token, held or not (a lease that ran out unrepaired can
--- still be renewed by its shift; another token's cannot). LF008 if the caller may not work the
--- task's lane. Read only.
+-- still be renewed by its shift; another token's cannot). A task of a lane the caller may not work
+-- answers as one that does not exist ('unknown'). Read only.
 create or replace function fleet.lease_held(p_task bigint, p_token uuid)
 returns table (held boolean, state text, valid_for double precision, token_matches boolean)
 language plpgsql
@@ -147,12 +147,11 @@ declare
     t fleet.tasks;
     v_until timestamptz;
 begin
-    select k.* into t from fleet.tasks k where k.id = p_task;
+    select k.* into t from fleet.tasks k where k.id = p_task and fleet._lane_allowed(k.lane);
     if not found then
         return query select false, 'unknown'::text, 0::double precision, false;
         return;
     end if;
-    perform fleet._require_lane(t.lane);
     if t.state = 'running' and p_token is not null and t.lease_token = p_token then
         select fleet._lease_until(s.heartbeat_at, l.lease_seconds, l.session_timeout_seconds) into v_until
           from fleet.sessions s join fleet.lanes l on l.name = s.lane

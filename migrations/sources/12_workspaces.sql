@@ -90,11 +90,11 @@ begin
     if p_bytes_freed is not null and p_bytes_freed < 0 then
         perform fleet._raise('LF005', format('bytes freed must be 0 or more, not %s', p_bytes_freed));
     end if;
-    select * into w from fleet.workspaces where id = p_id;
+    -- a workspace of a lane the caller's key may not work answers as one that does not exist
+    select * into w from fleet.workspaces where id = p_id and fleet._lane_allowed(lane);
     if not found then
         perform fleet._raise('LF003', format('unknown workspace %s', p_id));
     end if;
-    perform fleet._require_lane(w.lane);
     -- lock order: the task, then its workspace row (as touch_workspace and every transition): a
     -- retry, a claim or a touch of this task waits for this call, or this call sees their outcome
     select * into t from fleet.tasks where id = w.task_id for no key update;
@@ -142,7 +142,9 @@ $$;
 revoke all on function fleet._workspace_expires_at(text,timestamp with time zone,timestamp with time zone,jsonb) from public;
 grant execute on function fleet._workspace_expires_at(text,timestamp with time zone,timestamp with time zone,jsonb) to fleet_operator, service_role;
 
-create or replace view fleet.workspace_usage as
+-- Security invoker: it reads the tables as its caller, through their row policies (a key sees the
+-- workspaces of its lanes).
+create or replace view fleet.workspace_usage with (security_invoker = true) as
 select w.lane,
        w.host,
        count(*) as workspaces,
@@ -158,7 +160,6 @@ select w.lane,
   cross join lateral (select fleet._workspace_expires_at(t.state, t.finished_at, w.last_used_at, l.config)
                              as expires_at) x
  where w.state = 'active'
-   and fleet._lane_allowed(w.lane)
  group by w.lane, w.host;
 comment on view fleet.workspace_usage is
     'Disk use of task workspaces per lane and host (active ones: on disk, not reaped yet).';
@@ -171,5 +172,7 @@ comment on column fleet.workspace_usage.oldest_last_used_at is 'the longest-unus
 comment on column fleet.workspace_usage.reapable is 'workspaces past their lane''s retention: the next monitor pass on the host reaps them';
 comment on column fleet.workspace_usage.reapable_bytes is 'their disk use';
 comment on column fleet.workspace_usage.next_reap_at is 'when the next (or an overdue) workspace becomes reapable';
-grant select on fleet.workspace_usage to fleet_operator;
-grant all on fleet.workspace_usage to service_role;
+revoke all on fleet.workspace_usage from service_role;
+grant select on fleet.workspace_usage to fleet_operator, service_role;
+create or replace trigger read_only instead of insert or update or delete on fleet.workspace_usage
+    for each row execute function fleet._read_only_view();

@@ -9,7 +9,9 @@
 -- transaction that began before the hour ended). The first call rolls up 30 days.
 -- Under a transaction-scoped advisory lock: a concurrent call returns -1 and writes nothing.
 -- Security definer, so a role allowed to call it (the monitor, an operator) needs no write grant
--- on fleet.lane_hours. Returns the number of rows written.
+-- on fleet.lane_hours; it rolls up every lane, so a key limited to some lanes is refused (LF008,
+-- as fleet.reconcile: the views compute the hours not rolled up live for it). Returns the number
+-- of rows written.
 create or replace function fleet.roll_up_lane_hours(p_lag_seconds int default 300)
 returns int
 language plpgsql
@@ -22,6 +24,7 @@ declare
     v_from timestamptz;
     v_rows int;
 begin
+    perform fleet._require_lane(null);  -- the roll-up writes every lane's hours
     if (select rolled_until from fleet.lane_hours_rollup) >= v_until then
         return 0;  -- no hour has closed since the last roll-up: nothing written, nothing locked
     end if;
@@ -47,7 +50,8 @@ $$;
 comment on function fleet.roll_up_lane_hours(int) is
     'Roll the closed hours (ended more than p_lag_seconds ago) up into fleet.lane_hours, recomputing '
     'the last two hours rolled up before; called by the monitor pass and the dashboard commands. '
-    'Returns the rows written (-1: another roll-up was running).';
+    'Returns the rows written (-1: another roll-up was running). Every lane: refused (LF008) to a key '
+    'limited to some lanes.';
 revoke all on function fleet.roll_up_lane_hours(integer) from public;
 grant execute on function fleet.roll_up_lane_hours(integer) to fleet_operator, service_role;
 
@@ -82,6 +86,9 @@ grant execute on function fleet.lane_hours_since(timestamp with time zone) to fl
 
 -- The figures of every lane and UTC hour in [p_from, p_to) with any activity, computed from the
 -- tables: what the roll-up stores and what the views compute live for the hours after it.
+-- Security invoker: a key's figures come from the rows it may read (the tables' row policies),
+-- and only its lanes' rows come back (a row's lane is not always the lane of the rows it counts:
+-- tasks routed in, tasks counted in the lane they entered by).
 create or replace function fleet.lane_hours_between(p_from timestamptz, p_to timestamptz)
 returns setof fleet.lane_hours
 language sql
@@ -155,6 +162,8 @@ as $$
            sum(f.runs_ended)::bigint, sum(f.input_tokens)::bigint, sum(f.cache_creation_tokens)::bigint,
            sum(f.cache_read_tokens)::bigint, sum(f.output_tokens)::bigint, sum(f.cost_usd)
       from facts f
+     -- (the key's lanes: one InitPlan, as in the row policies; NULL is every lane)
+     where (select fleet._allowed_lanes()) is null or f.lane = any ((select fleet._allowed_lanes())::text[])
      group by f.lane, f.hour;
 $$;
 comment on function fleet.lane_hours_between(timestamptz, timestamptz) is

@@ -1,9 +1,14 @@
 -- The operator's views: one row per lane, stuck task, session, repair, dead letter, hour, day, pool.
 --
+-- Every view is security_invoker: it reads the tables as its caller, through their row policies,
+-- so a key limited to some lanes gets the rows of its lanes and figures counted from them alone
+-- (02_security.sql). Every view is read-only: SELECT is its only grant, and its read_only trigger
+-- makes a write a privilege error (42501) instead of "cannot update view" (55000).
+--
 -- The one hand-edited definition of each function and view below. A change here needs a
 -- migration made from it: `uv run python -m worker.dev.sqlsources new <name>` (see README).
 
-create or replace view fleet.lane_overview as
+create or replace view fleet.lane_overview with (security_invoker = true) as
 with outcomes as (
     -- the journal's last 24 h of outcomes per lane (events_kind_ts: one range per kind)
     select e.lane,
@@ -114,10 +119,12 @@ comment on column fleet.lane_overview.spent_today_usd is 'cost of the lane''s ru
 comment on column fleet.lane_overview.spent_today_tokens is 'tokens (every kind) of the lane''s runs started since midnight UTC';
 comment on column fleet.lane_overview.daily_budget_usd is 'the lane''s daily cost budget (NULL: none)';
 comment on column fleet.lane_overview.daily_budget_tokens is 'the lane''s daily token budget (NULL: none)';
-grant select on fleet.lane_overview to fleet_operator;
-grant all on fleet.lane_overview to service_role;
+revoke all on fleet.lane_overview from service_role;
+grant select on fleet.lane_overview to fleet_operator, service_role;
+create or replace trigger read_only instead of insert or update or delete on fleet.lane_overview
+    for each row execute function fleet._read_only_view();
 
-create or replace view fleet.stuck_tasks as
+create or replace view fleet.stuck_tasks with (security_invoker = true) as
 with running as (
     -- the running tasks (tasks_running_lease), their open run and the start of their stage
     select t.id, t.lane, t.key, t.title, t.session_id, t.attempts,
@@ -222,10 +229,12 @@ comment on column fleet.stuck_tasks.lease_expires_at is
 comment on column fleet.stuck_tasks.lease_remaining_seconds is 'seconds left on the lease (negative: expired)';
 comment on column fleet.stuck_tasks.heartbeat_age_seconds is 'seconds since the session''s last heartbeat';
 comment on column fleet.stuck_tasks.last_progress_at is 'the last checkpoint (NULL: none yet)';
-grant select on fleet.stuck_tasks to fleet_operator;
-grant all on fleet.stuck_tasks to service_role;
+revoke all on fleet.stuck_tasks from service_role;
+grant select on fleet.stuck_tasks to fleet_operator, service_role;
+create or replace trigger read_only instead of insert or update or delete on fleet.stuck_tasks
+    for each row execute function fleet._read_only_view();
 
-create or replace view fleet.session_overview as
+create or replace view fleet.session_overview with (security_invoker = true) as
 with chosen as (
     -- active sessions (partial index), and the others started in the last 24 h (sessions_started)
     select s.* from fleet.sessions s where s.state = 'active'
@@ -293,10 +302,12 @@ comment on column fleet.session_overview.tokens is 'tokens of its runs, every ki
 comment on column fleet.session_overview.cost_usd is 'cost of its runs';
 comment on column fleet.session_overview.ended_at is 'when it ended (NULL: active)';
 comment on column fleet.session_overview.end_reason is 'why it ended (deadline, signal, heartbeat-timeout, pid-gone, ...)';
-grant select on fleet.session_overview to fleet_operator;
-grant all on fleet.session_overview to service_role;
+revoke all on fleet.session_overview from service_role;
+grant select on fleet.session_overview to fleet_operator, service_role;
+create or replace trigger read_only instead of insert or update or delete on fleet.session_overview
+    for each row execute function fleet._read_only_view();
 
-create or replace view fleet.recent_repairs as
+create or replace view fleet.recent_repairs with (security_invoker = true) as
 select e.id as event_id,
        e.ts,
        e.lane,
@@ -334,10 +345,12 @@ comment on column fleet.recent_repairs.lease_expired_at is 'when its lease was d
 comment on column fleet.recent_repairs.session_id is 'the session that held it';
 comment on column fleet.recent_repairs.host is 'that session''s host';
 comment on column fleet.recent_repairs.pid is 'that shift''s pid';
-grant select on fleet.recent_repairs to fleet_operator;
-grant all on fleet.recent_repairs to service_role;
+revoke all on fleet.recent_repairs from service_role;
+grant select on fleet.recent_repairs to fleet_operator, service_role;
+create or replace trigger read_only instead of insert or update or delete on fleet.recent_repairs
+    for each row execute function fleet._read_only_view();
 
-create or replace view fleet.dead_letters as
+create or replace view fleet.dead_letters with (security_invoker = true) as
 select t.id as task_id,
        t.lane,
        t.key,
@@ -376,10 +389,12 @@ comment on column fleet.dead_letters.last_run_outcome is 'how its last run ended
 comment on column fleet.dead_letters.last_exit_code is 'the exit code of its last run, when reported';
 comment on column fleet.dead_letters.created_at is 'when it was queued';
 comment on column fleet.dead_letters.died_at is 'when it became dead';
-grant select on fleet.dead_letters to fleet_operator;
-grant all on fleet.dead_letters to service_role;
+revoke all on fleet.dead_letters from service_role;
+grant select on fleet.dead_letters to fleet_operator, service_role;
+create or replace trigger read_only instead of insert or update or delete on fleet.dead_letters
+    for each row execute function fleet._read_only_view();
 
-create or replace view fleet.throughput_hourly as
+create or replace view fleet.throughput_hourly with (security_invoker = true) as
 select h.lane, h.hour, h.enqueued, h.routed_in, h.started, h.done, h.routed, h.failed, h.handed_off,
        h.lost, h.cancelled, h.wall_p50_seconds, h.wall_p95_seconds
   from fleet.lane_hours_since(fleet._utc_hour(now()) - interval '719 hours') h
@@ -404,10 +419,12 @@ comment on column fleet.throughput_hourly.cancelled is 'running tasks cancelled 
 comment on column fleet.throughput_hourly.wall_p50_seconds is
     'median stage wall-clock, in seconds, of the stages completed (done or routed) in this hour';
 comment on column fleet.throughput_hourly.wall_p95_seconds is 'p95 of the same';
-grant select on fleet.throughput_hourly to fleet_operator;
-grant all on fleet.throughput_hourly to service_role;
+revoke all on fleet.throughput_hourly from service_role;
+grant select on fleet.throughput_hourly to fleet_operator, service_role;
+create or replace trigger read_only instead of insert or update or delete on fleet.throughput_hourly
+    for each row execute function fleet._read_only_view();
 
-create or replace view fleet.usage_by_lane_day as
+create or replace view fleet.usage_by_lane_day with (security_invoker = true) as
 select h.lane,
        (h.hour at time zone 'UTC')::date as day,
        sum(h.runs_ended)::bigint as runs,
@@ -448,10 +465,40 @@ comment on column fleet.usage_by_lane_day.cost_usd is 'cost reported by the agen
 comment on column fleet.usage_by_lane_day.cost_per_completed is
     'cost_usd / completed: what a completed task (or stage) cost, failed attempts included';
 comment on column fleet.usage_by_lane_day.tokens_per_completed is 'total_tokens / completed';
-grant select on fleet.usage_by_lane_day to fleet_operator;
-grant all on fleet.usage_by_lane_day to service_role;
+revoke all on fleet.usage_by_lane_day from service_role;
+grant select on fleet.usage_by_lane_day to fleet_operator, service_role;
+create or replace trigger read_only instead of insert or update or delete on fleet.usage_by_lane_day
+    for each row execute function fleet._read_only_view();
 
-create or replace view fleet.pool_overview as
+-- The capacity pools a key may read. Pools are shared by lanes: a key limited to some lanes gets
+-- those its lanes draw from (named in a lane's dispatch or by its profile, or drawn by a running
+-- task of its lanes), with the pool's own slots and throttle, but not its throttle note: that is a
+-- line of the output of whichever lane's run hit the limit (a key finds its own lanes' in their
+-- throttled events). Security definer: fleet.pools itself shows a row only to a key of every lane
+-- (its row policy), since row policies cannot hide one column.
+create or replace function fleet._pools_of_the_key()
+returns table (name text, slots int, throttled_until timestamptz, throttle_note text)
+language sql
+stable
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+    select p.name, p.slots, p.throttled_until, case when k.lanes is null then p.throttle_note end
+      from fleet.pools p
+     cross join (select fleet._allowed_lanes() as lanes) k
+     where k.lanes is null
+        or exists (select 1 from fleet.lanes l
+                    where l.name = any (k.lanes)
+                      and (l.config -> 'dispatch' @> jsonb_build_array(jsonb_build_object('pool', p.name))
+                           or exists (select 1 from fleet.profiles pf
+                                       where pf.name = l.config ->> 'profile' and pf.pool = p.name)))
+        or exists (select 1 from fleet.tasks t
+                    where t.state = 'running' and t.lane = any (k.lanes) and t.pool = p.name);
+$$;
+revoke all on function fleet._pools_of_the_key() from public;
+grant execute on function fleet._pools_of_the_key() to fleet_operator, service_role;
+
+create or replace view fleet.pool_overview with (security_invoker = true) as
 select pl.name as pool,
        pl.slots,
        (select count(*) from fleet.tasks t where t.state = 'running' and t.pool = pl.name) as in_use,
@@ -467,29 +514,34 @@ select pl.name as pool,
        (select count(*) from fleet.events e
          where e.kind = 'transient' and e.ts >= date_trunc('day', now())
            and e.detail ->> 'pool' = pl.name) as transients_today
-  from fleet.pools pl;
+  from fleet._pools_of_the_key() pl;
 comment on view fleet.pool_overview is
     'One row per capacity pool: slots, in use, throttled until (a usage limit), throttles, '
     'spill-overs (claims that came to this pool because the lane''s first choice was throttled or '
-    'full) and transient provider errors since midnight UTC.';
+    'full) and transient provider errors since midnight UTC. A key limited to some lanes sees the '
+    'pools its lanes draw from, with the pool''s own slots and throttle, and counts of its lanes'' '
+    'tasks and events only.';
 comment on column fleet.pool_overview.pool is 'the capacity pool';
 comment on column fleet.pool_overview.slots is 'agents at once across the fleet (NULL: unlimited)';
 comment on column fleet.pool_overview.in_use is 'running tasks drawing from the pool';
 comment on column fleet.pool_overview.throttled_until is 'a usage limit: no claims from the pool before this (NULL: not throttled)';
-comment on column fleet.pool_overview.throttle_note is 'the message that throttled it';
+comment on column fleet.pool_overview.throttle_note is
+    'the message that throttled it (NULL for a key limited to some lanes: it is the output of whichever lane hit the limit)';
 comment on column fleet.pool_overview.throttles_today is 'usage limits hit since midnight UTC';
 comment on column fleet.pool_overview.spillovers_today is 'claims since midnight UTC that came here because the lane''s first pool was throttled or full';
 comment on column fleet.pool_overview.profiles is 'the profiles drawing from the pool';
 comment on column fleet.pool_overview.transients_today is
     'transient provider errors (overloaded, 5xx, connection reset) retried since midnight UTC; '
     'neither failures nor throttles';
-grant select on fleet.pool_overview to fleet_operator;
-grant all on fleet.pool_overview to service_role;
+revoke all on fleet.pool_overview from service_role;
+grant select on fleet.pool_overview to fleet_operator, service_role;
+create or replace trigger read_only instead of insert or update or delete on fleet.pool_overview
+    for each row execute function fleet._read_only_view();
 
 -- Per pool and UTC day: how the runs that drew from it ended. accept_rate = done / (done + failed
 -- + blocked); hand-offs, throttles, transient provider errors and lost runs say nothing about the
 -- work and are not counted.
-create or replace view fleet.pool_accept_rate as
+create or replace view fleet.pool_accept_rate with (security_invoker = true) as
 select r.pool,
        date_trunc('day', r.started_at) as day,
        count(*) as runs,
@@ -516,10 +568,12 @@ comment on column fleet.pool_accept_rate.throttled is 'runs that hit a usage lim
 comment on column fleet.pool_accept_rate.accept_rate is 'done / (done + failed + blocked)';
 comment on column fleet.pool_accept_rate.transient is
     'runs ended by a transient provider error (overloaded, 5xx, connection reset), retried without a failure';
-grant select on fleet.pool_accept_rate to fleet_operator;
-grant all on fleet.pool_accept_rate to service_role;
+revoke all on fleet.pool_accept_rate from service_role;
+grant select on fleet.pool_accept_rate to fleet_operator, service_role;
+create or replace trigger read_only instead of insert or update or delete on fleet.pool_accept_rate
+    for each row execute function fleet._read_only_view();
 
-create or replace view fleet.blocked_tasks as
+create or replace view fleet.blocked_tasks with (security_invoker = true) as
 select t.id, t.lane, t.key, t.title, t.block_reason, t.tier, t.run_profile as profile,
        t.updated_at as blocked_at, right(t.last_error, 2000) as evidence
   from fleet.tasks t
@@ -535,10 +589,12 @@ comment on column fleet.blocked_tasks.tier is 'the tier of its next attempt';
 comment on column fleet.blocked_tasks.profile is 'the profile of its last attempt';
 comment on column fleet.blocked_tasks.blocked_at is 'when it was blocked';
 comment on column fleet.blocked_tasks.evidence is 'the gate''s output tail or the budget it spent';
-grant select on fleet.blocked_tasks to fleet_operator;
-grant all on fleet.blocked_tasks to service_role;
+revoke all on fleet.blocked_tasks from service_role;
+grant select on fleet.blocked_tasks to fleet_operator, service_role;
+create or replace trigger read_only instead of insert or update or delete on fleet.blocked_tasks
+    for each row execute function fleet._read_only_view();
 
-create or replace view fleet.attention_tasks as
+create or replace view fleet.attention_tasks with (security_invoker = true) as
 select t.id, t.lane, t.key, t.attention, t.attention_at, s.host, s.pid
   from fleet.tasks t
   join fleet.sessions s on s.id = t.session_id
@@ -552,10 +608,12 @@ comment on column fleet.attention_tasks.attention is 'what its agent waits for';
 comment on column fleet.attention_tasks.attention_at is 'since when';
 comment on column fleet.attention_tasks.host is 'the host of its shift';
 comment on column fleet.attention_tasks.pid is 'the pid of its shift';
-grant select on fleet.attention_tasks to fleet_operator;
-grant all on fleet.attention_tasks to service_role;
+revoke all on fleet.attention_tasks from service_role;
+grant select on fleet.attention_tasks to fleet_operator, service_role;
+create or replace trigger read_only instead of insert or update or delete on fleet.attention_tasks
+    for each row execute function fleet._read_only_view();
 
-create or replace view fleet.review_queue as
+create or replace view fleet.review_queue with (security_invoker = true) as
 select t.id, t.lane, t.key, t.title, t.tier, t.run_profile as profile, t.pool, t.updated_at as since,
        left(t.result ->> 'summary', 500) as summary
   from fleet.tasks t
@@ -570,12 +628,14 @@ comment on column fleet.review_queue.profile is 'the profile it ran with';
 comment on column fleet.review_queue.pool is 'the pool it drew from';
 comment on column fleet.review_queue.since is 'when it went to review';
 comment on column fleet.review_queue.summary is 'the agent''s final message (its result summary)';
-grant select on fleet.review_queue to fleet_operator;
-grant all on fleet.review_queue to service_role;
+revoke all on fleet.review_queue from service_role;
+grant select on fleet.review_queue to fleet_operator, service_role;
+create or replace trigger read_only instead of insert or update or delete on fleet.review_queue
+    for each row execute function fleet._read_only_view();
 
 -- Review outcomes of the last 30 days by lane, pool and host (the host of the shift whose run
 -- completed the task): approved, rejected, accept rate = approved / (approved + rejected).
-create or replace view fleet.review_accept_rate as
+create or replace view fleet.review_accept_rate with (security_invoker = true) as
 select e.lane,
        e.detail ->> 'pool' as pool,
        e.detail ->> 'host' as host,
@@ -593,8 +653,10 @@ comment on column fleet.review_accept_rate.host is 'the host of the completing r
 comment on column fleet.review_accept_rate.approved is 'reviews approved in 30 days';
 comment on column fleet.review_accept_rate.rejected is 'reviews rejected in 30 days';
 comment on column fleet.review_accept_rate.accept_rate is 'approved / (approved + rejected)';
-grant select on fleet.review_accept_rate to fleet_operator;
-grant all on fleet.review_accept_rate to service_role;
+revoke all on fleet.review_accept_rate from service_role;
+grant select on fleet.review_accept_rate to fleet_operator, service_role;
+create or replace trigger read_only instead of insert or update or delete on fleet.review_accept_rate
+    for each row execute function fleet._read_only_view();
 
 -- Per lane: tasks in every state, retries, hand-offs, tokens and cost (what `fleet up` prints).
 -- Invoker: a caller sees the lanes RLS lets it read.
@@ -639,3 +701,8 @@ as $$
 $$;
 revoke all on function fleet.ready_by_lane() from public;
 grant execute on function fleet.ready_by_lane() to fleet_operator, service_role;
+
+-- fleet.batch_overview (11_batches.sql) is read-only too; its trigger stands here until its group
+-- says it beside the view
+create or replace trigger read_only instead of insert or update or delete on fleet.batch_overview
+    for each row execute function fleet._read_only_view();

@@ -60,6 +60,9 @@ as $$
           from fleet.tasks t
          where t.created_at >= p_from and t.created_at < p_to and t.kind = 'task'
            and (p_lane is null or coalesce(t.stages -> 0 ->> 'lane', t.lane) = p_lane)
+           -- a lane the caller's key may not work counts as a lane without tasks (the rows read
+           -- are the key's anyway: security invoker, the tables' row policies)
+           and (p_lane is null or fleet._lane_allowed(p_lane))
     ), cohort_runs as (
         -- the runs of the cohort, every stage. A recent cohort: the runs started since p_from
         -- (runs_started; a task runs after it is queued) matched to the cohort's tasks by hash. An

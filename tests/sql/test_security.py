@@ -235,11 +235,46 @@ def world(conn: psycopg.Connection) -> dict[str, Any]:
     return {"session": s, "task": task, "token": token}
 
 
+# what a docs key hears of bugfix work: a lane it names itself is refused by name (LF008); an
+# object of bugfix it names by id answers as one that does not exist
+UNKNOWN = 987654321
+
+
+def _as_unknown(query: str, params: tuple[Any, ...], world: dict[str, Any]) -> tuple[Any, ...]:
+    """The same call aimed at nothing: the bugfix task, token and session replaced by unknown ones."""
+    swap = {world["task"]: UNKNOWN, world["token"]: uuid.UUID(int=7), world["session"]: uuid.UUID(int=8)}
+    return tuple(swap.get(p, p) for p in params)
+
+
+def _answer(conn: psycopg.Connection, claims: dict[str, Any], query: str, params: tuple[Any, ...],
+            names: dict[str, str]) -> tuple[Any, ...]:
+    """(sqlstate, message, hint) of a refused call, or ('ok', rows); each given value in the message
+    replaced by its name (so two answers about different ids compare)."""
+    with as_key(conn, claims["role"], claims):
+        try:
+            got: Any = ("ok", conn.execute(query, params).fetchall())
+        except psycopg.Error as exc:
+            got = (exc.sqlstate, exc.diag.message_primary, exc.diag.message_hint)
+    text = repr(got)
+    for value, name in sorted(names.items(), key=lambda kv: -len(kv[0])):  # uuids before ids
+        text = re.sub(rf"(?<![\w-]){re.escape(value)}(?![\w-])", name, text)
+    return (text,)
+
+
 def test_lane_checks_on_this_server(conn: psycopg.Connection, world: dict[str, Any]) -> None:
     docs = {"role": "fleet_worker", "fleet_lanes": ["docs"]}
-    calls = [
+    named = [  # a lane the caller names: refused by its name
         ("select fleet.enqueue('bugfix', 'x')", ()),
         ("select fleet.open_session('bugfix', 'h', 1, null, 60)", ()),
+        ("select * from fleet.enqueue_many('bugfix', '[{\"key\": \"y\"}]')", ()),
+        ("select fleet.route(%s, %s, 'bugfix')", (world["task"], world["token"])),
+    ]
+    for query, params in named:
+        with pytest.raises(psycopg.Error) as err, as_key(conn, "fleet_worker", docs):
+            conn.execute(query, params)
+        assert err.value.sqlstate == "LF008", (query, err.value)
+        assert "'bugfix' is not allowed" in str(err.value)
+    by_id = [  # a bugfix object named by id: exactly what an unknown one answers
         ("select * from fleet.claim(%s, 1)", (world["session"],)),
         ("select * from fleet.heartbeat(%s)", (world["session"],)),
         ("select fleet.checkpoint(%s, %s, '{}')", (world["task"], world["token"])),
@@ -247,22 +282,32 @@ def test_lane_checks_on_this_server(conn: psycopg.Connection, world: dict[str, A
         ("select fleet.fail(%s, %s, 'x')", (world["task"], world["token"])),
         ("select fleet.hand_off(%s, %s, '{}')", (world["task"], world["token"])),
         ("select fleet.route(%s, %s, 'docs')", (world["task"], world["token"])),
-        ("select fleet.record_run(%s, '{}')", (world["token"],)),
-        ("select fleet.close_session(%s, 'x', '{}')", (world["session"],)),
-        ("select * from fleet.declare_session_lost(%s, 'x')", (world["session"],)),
         ("select fleet.block(%s, %s, 'budget')", (world["task"], world["token"])),
         ("select fleet.throttle(%s, %s)", (world["task"], world["token"])),
         ("select fleet.transient(%s, %s, 'overloaded')", (world["task"], world["token"])),
         ("select fleet.drop_session(%s, %s, 'gone')", (world["task"], world["token"])),
-        ("select * from fleet.task_spend(%s)", (world["task"],)),
-        ("select * from fleet.complete_many(array[%s]::bigint[], array[%s]::uuid[])", (world["task"], world["token"])),
-        ("select * from fleet.enqueue_many('bugfix', '[{\"key\": \"y\"}]')", ()),
+        ("select fleet.gate_verdict(%s, %s, 'ok')", (world["task"], world["token"])),
+        ("select fleet.touch_workspace(%s, %s, 'h', '/w')", (world["task"], world["token"])),
         ("select * from fleet.lease_held(%s, %s)", (world["task"], world["token"])),
     ]
-    for query, params in calls:
+    names = {str(world["task"]): "<task>", str(UNKNOWN): "<task>", str(world["session"]): "<session>",
+             str(uuid.UUID(int=8)): "<session>"}
+    for query, params in by_id:
+        theirs = _answer(conn, docs, query, params, names)
+        nothing = _answer(conn, docs, query, _as_unknown(query, params, world), names)
+        assert theirs == nothing, (query, theirs, nothing)
+        assert "LF008" not in theirs[0] and "bugfix" not in theirs[0], (query, theirs)
+    # what other groups still answer with LF008 for another lane's object (tests/supabase_api/
+    # test_probe.py KNOWN lists them): refused all the same
+    for query, params in [("select fleet.record_run(%s, '{}')", (world["token"],)),
+                          ("select fleet.close_session(%s, 'x', '{}')", (world["session"],)),
+                          ("select * from fleet.declare_session_lost(%s, 'x')", (world["session"],)),
+                          ("select * from fleet.task_spend(%s)", (world["task"],)),
+                          ("select * from fleet.complete_many(array[%s]::bigint[], array[%s]::uuid[])",
+                           (world["task"], world["token"]))]:
         with pytest.raises(psycopg.Error) as err, as_key(conn, "fleet_worker", docs):
             conn.execute(query, params)
-        assert err.value.sqlstate == "LF008", (query, err.value)
+        assert err.value.sqlstate in ("LF008", "LF003", "LF006"), (query, err.value)
     # a worker key may not do an operator's part at all (no grant: 42501)
     for query, params in [("select fleet.resume(%s)", (world["task"],)),
                           ("select fleet.review_approve(%s)", (world["task"],)),
@@ -273,12 +318,14 @@ def test_lane_checks_on_this_server(conn: psycopg.Connection, world: dict[str, A
         with pytest.raises(psycopg.Error) as err, as_key(conn, "fleet_worker", {"role": "fleet_worker", "fleet_lanes": ["*"]}):
             conn.execute(query, params)
         assert err.value.sqlstate == "42501", (query, err.value)
-    # an operator key limited to docs cannot resume, review or re-budget a bugfix task
-    for query in ("select fleet.resume(%s)", "select fleet.review_approve(%s)", "select fleet.set_task_budget(%s, 1)"):
-        with pytest.raises(psycopg.Error) as err, as_key(conn, "fleet_operator",
-                                                         {"role": "fleet_operator", "fleet_lanes": ["docs"]}):
-            conn.execute(query, (world["task"],))
-        assert err.value.sqlstate == "LF008", (query, err.value)
+    # an operator key limited to docs cannot resume, review, re-budget, cancel or retry a bugfix
+    # task: they are unknown to it
+    op_docs = {"role": "fleet_operator", "fleet_lanes": ["docs"]}
+    for query in ("select fleet.resume(%s)", "select fleet.review_approve(%s)", "select fleet.review_reject(%s, 'n')",
+                  "select fleet.set_task_budget(%s, 1)", "select fleet.cancel(%s)", "select fleet.retry(%s)"):
+        theirs = _answer(conn, op_docs, query, (world["task"],), names)
+        assert theirs == _answer(conn, op_docs, query, (UNKNOWN,), names), query
+        assert "LF003" in theirs[0] and "unknown task <task>" in theirs[0], (query, theirs)
     # anon: nothing
     for query in ("select * from fleet.pool_overview", "select fleet.resume(1)", "select * from fleet.stalled_tasks()"):
         with pytest.raises(psycopg.Error) as err, as_key(conn, "anon", {"role": "anon"}):
@@ -299,18 +346,21 @@ def test_a_restricted_key_is_refused_another_lanes_work_and_does_its_own(conn: p
     [(bug_task, bug_token)] = leases(conn, bug_s, 1)
     docs_key = json.dumps({"role": "fleet_worker", "fleet_lanes": ["docs"]})
 
-    for call in (lambda: leases(conn, bug_s, 1),
-                 lambda: conn.execute("select fleet.complete(%s, %s)", (bug_task, bug_token)),
-                 lambda: conn.execute("select fleet.enqueue('bugfix', 'b:new')"),
-                 lambda: conn.execute("select fleet.heartbeat(%s)", (bug_s,))):
+    for call, code in ((lambda: leases(conn, bug_s, 1), "LF006"),
+                       (lambda: conn.execute("select fleet.complete(%s, %s)", (bug_task, bug_token)), "LF003"),
+                       (lambda: conn.execute("select fleet.enqueue('bugfix', 'b:new')"), LANE_NOT_ALLOWED),
+                       (lambda: conn.execute("select fleet.heartbeat(%s)", (bug_s,)), "LF006")):
         with as_key(conn, "fleet_worker", docs_key), pytest.raises(psycopg.Error) as err:
             call()
-        assert err.value.sqlstate == LANE_NOT_ALLOWED, err.value
-        assert "'bugfix' is not allowed" in str(err.value)
-    # a worker key without claims works no lane at all
+        assert err.value.sqlstate == code, err.value
+        if code == LANE_NOT_ALLOWED:
+            assert "'bugfix' is not allowed" in str(err.value)
+        else:
+            assert "bugfix" not in str(err.value) and "unknown" in str(err.value)
+    # a worker key without claims works no lane at all (its own sessions are unknown to it)
     with as_key(conn, "fleet_worker", None), pytest.raises(psycopg.Error) as err:
         leases(conn, docs_s, 1)
-    assert err.value.sqlstate == LANE_NOT_ALLOWED
+    assert err.value.sqlstate == "LF006"
     assert one(conn, "select state from fleet.tasks where id = %s", (bug_task,)) == "running"
     assert one(conn, "select count(*) from fleet.tasks where state = 'running'") == 1
 
@@ -369,3 +419,167 @@ def test_anon_cannot_call_either(lanes: psycopg.Connection, role: str) -> None:
         with as_key(conn, role, {"role": role, "fleet_lanes": ["*"]}), refused("42501"):
             call()
     assert task(conn, d["id"])["state"] == "running"
+
+
+# ------------------------------------------------------------------------------------------------
+# what a lane-scoped key reads: every view and table of schema fleet (tests/laneworld.py: two lanes
+# with every kind of row; lane B recognisable wherever it turns up)
+
+
+def _relations(conn: psycopg.Connection) -> list[tuple[str, str]]:
+    """(name, kind) of every table and view of schema fleet: a new one is read here too."""
+    return [(r["relname"], r["relkind"]) for r in rows(conn, """
+        select relname, relkind::text from pg_class
+         where relnamespace = 'fleet'::regnamespace and relkind in ('r', 'p', 'v', 'm') order by relname""")]
+
+
+def _has_lane(conn: psycopg.Connection, rel: str) -> bool:
+    return bool(one(conn, "select count(*) from pg_attribute where attrelid = %s::regclass and attname = 'lane'"
+                          " and not attisdropped", (f"fleet.{rel}",)))
+
+
+def _read(conn: psycopg.Connection, rel: str, claims: dict[str, Any] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | str]:
+    """In one transaction (one now()): the owner's rows, then the key's (or its error's SQLSTATE)."""
+    with conn.transaction(force_rollback=True):
+        owner = rows(conn, f"select * from fleet.{rel}")
+        if claims is None:
+            return owner, owner
+        conn.execute("select set_config('role', %s, true)", (claims["role"],))
+        conn.execute("select set_config('request.jwt.claims', %s, true)", (json.dumps(claims),))
+        try:
+            with conn.transaction():
+                return owner, rows(conn, f"select * from fleet.{rel}")
+        except psycopg.Error as exc:
+            return owner, str(exc.sqlstate)
+
+
+@pytest.fixture
+def two_lanes(conn: psycopg.Connection) -> Any:
+    import laneworld
+
+    return laneworld.build(conn)
+
+
+def test_every_view_and_table_gives_a_lane_scoped_operator_its_lanes_rows_only(
+        conn: psycopg.Connection, two_lanes: Any) -> None:
+    import laneworld
+
+    op_a = {"role": "fleet_operator", "fleet_lanes": [laneworld.A]}
+    relations = _relations(conn)
+    assert {"lane_overview", "throughput_hourly", "pool_overview", "tasks", "pools"} <= {r for r, _ in relations}
+    for rel, kind in relations:
+        owner, mine = _read(conn, rel, op_a)
+        assert isinstance(mine, list), f"fleet.{rel}: {mine} for an operator key"
+        leaked = laneworld.leaks(two_lanes, laneworld.as_json(mine))
+        assert leaked == [], f"fleet.{rel} shows lane B to a lane-A operator: {leaked[:5]}"
+        if _has_lane(conn, rel):
+            # exactly the owner's rows of lane A: nothing missing, figures counted the same
+            assert mine == [r for r in owner if r["lane"] == laneworld.A], f"fleet.{rel}"
+            assert mine, f"fleet.{rel}: lane A has rows there"
+        elif kind == "v":
+            assert mine, f"fleet.{rel}: lane A has rows there"
+
+
+def test_what_a_lane_scoped_operator_sees_of_the_shared_pools(conn: psycopg.Connection, two_lanes: Any) -> None:
+    import laneworld
+
+    op_a = {"role": "fleet_operator", "fleet_lanes": [laneworld.A]}
+    owner, mine = _read(conn, "pool_overview", op_a)
+    assert isinstance(mine, list)
+    # the pools its lanes draw from, not lane B's own
+    assert {r["pool"] for r in owner} == {"shared-pool", "lanea-pool", "laneb-pool"}
+    assert {r["pool"] for r in mine} == {"shared-pool", "lanea-pool"}
+    shared = {r["pool"]: r for r in owner}["shared-pool"], {r["pool"]: r for r in mine}["shared-pool"]
+    # the pool's own state as it is (it decides when lane A claims too); lane B's message not
+    assert shared[1]["slots"] == shared[0]["slots"] and shared[1]["throttled_until"] == shared[0]["throttled_until"]
+    assert shared[0]["throttle_note"] == "laneb usage limit reached" and shared[1]["throttle_note"] is None
+    # counts of lane A's tasks and events only
+    in_use_a = one(conn, "select count(*) from fleet.tasks where state = 'running' and pool = 'shared-pool'"
+                         " and lane = %s", (laneworld.A,))
+    assert 0 < shared[1]["in_use"] == in_use_a < shared[0]["in_use"]
+    assert shared[1]["throttles_today"] == 1 < shared[0]["throttles_today"] == 2
+    assert shared[1]["profiles"] == "shared-prof"
+    _, profiles = _read(conn, "profiles", op_a)
+    assert isinstance(profiles, list) and {p["name"] for p in profiles} == {"shared-prof", "lanea-prof"}
+    # the table itself, whose rows carry the note: to keys of every lane only
+    _, pools = _read(conn, "pools", op_a)
+    assert pools == []
+    _, rates = _read(conn, "pool_accept_rate", op_a)
+    assert isinstance(rates, list) and {r["pool"] for r in rates} <= {"shared-pool", "lanea-pool"}
+    assert sum(r["runs"] for r in rates) == one(conn, "select count(*) from fleet.runs where lane = %s"
+                                                      " and pool is not null", (laneworld.A,))
+
+
+def test_a_worker_key_reads_its_lanes_tables_and_no_view(conn: psycopg.Connection, two_lanes: Any) -> None:
+    import laneworld
+
+    worker_a = {"role": "fleet_worker", "fleet_lanes": [laneworld.A]}
+    for rel, kind in _relations(conn):
+        _, mine = _read(conn, rel, worker_a)
+        if isinstance(mine, str):  # no grant: the views, pools, profiles, the roll-ups
+            assert mine == "42501", f"fleet.{rel}: {mine}"
+            assert kind == "v" or rel in ("pools", "profiles", "lane_hours", "lane_hours_rollup"), rel
+            continue
+        assert kind != "v", f"a worker key reads the view fleet.{rel}"
+        assert laneworld.leaks(two_lanes, laneworld.as_json(mine)) == [], f"fleet.{rel}"
+
+
+def test_an_operator_key_without_lanes_reads_everything(conn: psycopg.Connection, two_lanes: Any) -> None:
+    """Every view and table, as the owner reads it: throughput_hourly and usage_by_lane_day too."""
+    for claims in ({"role": "fleet_operator"}, {"role": "fleet_operator", "fleet_lanes": ["*"]},
+                   {"role": "service_role"}):
+        for rel, _ in _relations(conn):
+            owner, mine = _read(conn, rel, claims)
+            assert mine == owner, (claims, rel, mine if isinstance(mine, str) else len(mine))
+
+
+def test_the_read_functions_give_a_lane_scoped_operator_its_lanes_only(conn: psycopg.Connection,
+                                                                       two_lanes: Any) -> None:
+    import laneworld
+
+    op_a = {"role": "fleet_operator", "fleet_lanes": [laneworld.A]}
+    calls = ["select * from fleet.lane_summary()", "select * from fleet.ready_by_lane()",
+             "select * from fleet.stalled_tasks()",
+             "select * from fleet.lane_hours_since(now() - interval '30 days')",
+             "select * from fleet.lane_hours_between(now() - interval '30 days', now())",
+             "select * from fleet.cohort_metrics(now() - interval '1 day', now() + interval '1 hour')",
+             "select * from fleet.cohort_split(now() - interval '1 day', now() + interval '1 hour')",
+             "select * from fleet.workspaces_to_reap('laneb-host-1')",
+             "select * from fleet.workspaces_to_reap('lanea-host-1')",
+             "select * from fleet._lane_spend_today('lane-b')"]
+    for query in calls:
+        with as_key(conn, "fleet_operator", op_a):
+            got = rows(conn, query)
+        assert laneworld.leaks(two_lanes, laneworld.as_json(got)) == [], query
+        assert got or "laneb-host" in query, query  # lane A has some
+    # a lane it may not see counts as a lane without anything
+    for fn in ("cohort_metrics", "cohort_split"):
+        q = f"select * from fleet.{fn}(now() - interval '1 day', now() + interval '1 hour', %s)"
+        with as_key(conn, "fleet_operator", op_a):
+            theirs, nothing = rows(conn, q, (laneworld.B,)), rows(conn, q, ("lane-none",))
+        assert [{**r, "lane": None} for r in theirs] == [{**r, "lane": None} for r in nothing], fn
+        assert all(r["tasks"] == 0 for r in theirs)
+    # and the roll-up, which writes every lane's hours, is refused
+    with as_key(conn, "fleet_operator", op_a), refused("LF008"):
+        conn.execute("select fleet.roll_up_lane_hours(0)")
+
+
+def test_every_view_is_read_only_for_every_key(conn: psycopg.Connection) -> None:
+    """SELECT is the only privilege a key role holds on a view, and each view has the read_only
+    trigger, so that a write is refused by the privilege check (42501) and never by "cannot update
+    view" (55000, an HTTP 500 through PostgREST)."""
+    views = [r[0] for r in conn.execute("select relname from pg_class where relnamespace = 'fleet'::regnamespace"
+                                        " and relkind = 'v' order by 1").fetchall()]
+    assert "lane_overview" in views
+    for view in views:
+        triggers = rows(conn, """select t.tgname, t.tgfoid::regproc::text as fn from pg_trigger t
+                                  where t.tgrelid = %s::regclass and not t.tgisinternal""", (f"fleet.{view}",))
+        assert triggers == [{"tgname": "read_only", "fn": "fleet._read_only_view"}], view
+        for role in ("fleet_operator", "fleet_worker", "anon", "authenticated"):
+            for privilege in ("INSERT", "UPDATE", "DELETE", "TRUNCATE"):
+                assert not one(conn, "select has_table_privilege(%s, %s, %s)", (role, f"fleet.{view}", privilege)), \
+                    (view, role, privilege)
+    # as the owner (every privilege), the trigger refuses
+    with refused("42501") as err:
+        conn.execute("insert into fleet.blocked_tasks (id, lane, key) values (1, 'a', 'k')")
+    assert "read-only view" in str(err.value)

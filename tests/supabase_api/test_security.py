@@ -21,7 +21,7 @@ from supabase import Client, ClientOptions, create_client
 from supabase_stack import client, key, raw_jwt, snapshot, sql, store
 
 from worker.dev.devstack import DevStack
-from worker.errors import InvalidInput, LaneForbidden, UnknownLane, UnknownTask
+from worker.errors import InvalidInput, LaneForbidden, SessionLost, UnknownLane, UnknownTask
 from worker.store.supabase import AccessDenied
 
 ZERO = "00000000-0000-0000-0000-000000000000"
@@ -163,16 +163,29 @@ def test_docs_key_cannot_see_bugfix_rows(world: World) -> None:
     refused(lambda: docs.table("lane_overview").select("*").execute(), "42501")
 
 
-@pytest.mark.parametrize("fn", ["enqueue", "enqueue_task", "enqueue_after", "open_session", "claim",
-                                "heartbeat", "checkpoint", "complete", "fail", "hand_off", "transient",
-                                "drop_session", "route", "record_run", "close_session", "declare_session_lost"])
+# what a docs key hears when it aims a worker call at bugfix: a lane it names is refused by name
+# (LF008); a bugfix session or task it names by id is unknown to it (LF006, LF003), as one that does
+# not exist. record_run, close_session and declare_session_lost (05_sessions, 08_finish) still answer
+# LF008 (tests/supabase_api/test_probe.py, KNOWN): refused all the same.
+REFUSAL = {"enqueue": "LF008", "enqueue_task": "LF008", "enqueue_after": "LF008", "open_session": "LF008",
+           "claim": "LF006", "heartbeat": "LF006", "checkpoint": "LF003", "complete": "LF003", "fail": "LF003",
+           "hand_off": "LF003", "transient": "LF003", "drop_session": "LF003", "route": "LF003",
+           "record_run": {"LF008", "LF003"}, "close_session": {"LF008", "LF006"},
+           "declare_session_lost": {"LF008", "LF006"}}
+
+
+@pytest.mark.parametrize("fn", list(REFUSAL))
 def test_docs_key_cannot_touch_bugfix_work(world: World, fn: str) -> None:
-    """Each worker call aimed at bugfix is refused with LF008, before anything is written."""
+    """Each worker call aimed at bugfix is refused before anything is written, naming no more than
+    the caller gave."""
     s = world.stack
     docs = client(s, key(s, "worker", ["docs"]))
     before = snapshot(s)
-    err = refused(lambda: docs.rpc(fn, every_call(world)[fn]).execute(), "LF008")
-    assert "not allowed for this key" in (err.message or "")
+    err = refused(lambda: docs.rpc(fn, every_call(world)[fn]).execute(), REFUSAL[fn])
+    if err.code == "LF008":
+        assert "not allowed for this key" in (err.message or "")
+    else:
+        assert (err.message or "").startswith("unknown ") and "bugfix" not in str(err), err
     assert snapshot(s) == before
 
 
@@ -197,26 +210,28 @@ def test_docs_key_refusals_are_lane_forbidden_through_the_store(world: World) ->
     token = UUID(world.bug_token)
     before = snapshot(s)
     try:
-        calls: list[Callable[[], Any]] = [
-            lambda: st.enqueue("bugfix", "x:1"),
-            lambda: st.enqueue("bugfix", "x:2", delay_seconds=5),
-            lambda: st.open_session("bugfix", "h", 1, None, 60),
-            lambda: st.claim(UUID(world.bug_session), 1),
-            lambda: st.heartbeat(UUID(world.bug_session), [world.bug_task]),
-            lambda: st.checkpoint(world.bug_task, token, {"step": 1}),
-            lambda: st.complete(world.bug_task, token, {"ok": True}),
-            lambda: st.fail(world.bug_task, token, "no"),
-            lambda: st.hand_off(world.bug_task, token, {}),
-            lambda: st.transient(world.bug_task, token, "overloaded"),
-            lambda: st.drop_session(world.bug_task, token, "gone"),
-            lambda: st.route(world.bug_task, token, "docs"),
-            lambda: st.route(world.docs_task, UUID(world.docs_token), "bugfix"),  # nor route into it
-            lambda: st.record_run(token, {"input_tokens": 5}),
-            lambda: st.close_session(UUID(world.bug_session), "x", {}),
-            lambda: st.declare_session_lost(UUID(world.bug_session), "x"),
+        calls: list[tuple[Callable[[], Any], Any]] = [
+            (lambda: st.enqueue("bugfix", "x:1"), LaneForbidden),
+            (lambda: st.enqueue("bugfix", "x:2", delay_seconds=5), LaneForbidden),
+            (lambda: st.open_session("bugfix", "h", 1, None, 60), LaneForbidden),
+            (lambda: st.route(world.docs_task, UUID(world.docs_token), "bugfix"), LaneForbidden),  # nor route into it
+            # bugfix's sessions and tasks are unknown to it
+            (lambda: st.claim(UUID(world.bug_session), 1), SessionLost),
+            (lambda: st.heartbeat(UUID(world.bug_session), [world.bug_task]), SessionLost),
+            (lambda: st.checkpoint(world.bug_task, token, {"step": 1}), UnknownTask),
+            (lambda: st.complete(world.bug_task, token, {"ok": True}), UnknownTask),
+            (lambda: st.fail(world.bug_task, token, "no"), UnknownTask),
+            (lambda: st.hand_off(world.bug_task, token, {}), UnknownTask),
+            (lambda: st.transient(world.bug_task, token, "overloaded"), UnknownTask),
+            (lambda: st.drop_session(world.bug_task, token, "gone"), UnknownTask),
+            (lambda: st.route(world.bug_task, token, "docs"), UnknownTask),
+            # (05_sessions, 08_finish: still LF008, test_probe.py KNOWN)
+            (lambda: st.record_run(token, {"input_tokens": 5}), (LaneForbidden, UnknownTask)),
+            (lambda: st.close_session(UUID(world.bug_session), "x", {}), (LaneForbidden, SessionLost)),
+            (lambda: st.declare_session_lost(UUID(world.bug_session), "x"), (LaneForbidden, SessionLost)),
         ]
-        for call in calls:
-            with pytest.raises(LaneForbidden):
+        for call, error in calls:
+            with pytest.raises(error):
                 call()
         # the operator calls are not a worker's at all
         for call in (lambda: st.cancel(world.docs_queued), lambda: st.retry(world.bug_dead),
@@ -267,9 +282,9 @@ def test_a_key_for_several_lanes_and_a_lane_scoped_operator(world: World) -> Non
     op_all = store(s, key(s, "operator"))
     before = snapshot(s)
     try:
-        with pytest.raises(LaneForbidden):
-            op_docs.cancel(world.bug_queued)
-        with pytest.raises(LaneForbidden):
+        with pytest.raises(UnknownTask, match=f"unknown task {world.bug_queued}$"):
+            op_docs.cancel(world.bug_queued)  # another lane's task: as one that does not exist
+        with pytest.raises(UnknownTask, match=f"unknown task {world.bug_dead}$"):
             op_docs.retry(world.bug_dead)
         with pytest.raises(LaneForbidden):
             op_docs.reconcile()  # a pass repairs every lane
