@@ -94,6 +94,7 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (path / "fleet.toml").write_text(FLEET_TOML)
     (path / "payload.json").write_text(json.dumps({"issue": 473, "repo": "acme/app"}))
     (path / "array.json").write_text("[1, 2]")
+    (path / "big.json").write_text(json.dumps({"blob": "x" * (1 << 20)}))  # past the 1 MiB default cap
     (path / "bad-max-running.toml").write_text(FLEET_TOML.replace("max_running = 2", "max_running = -1"))
     (path / "bad-toml.toml").write_text("[lanes.docs\n")
     return path
@@ -258,6 +259,50 @@ def test_show_cancel_retry(db_url: str, config: Path, home: Path) -> None:
     assert out.index("enqueued") < out.index("cancelled") < out.index("retried")
 
 
+def test_keys_are_per_lane(db_url: str, config: Path, home: Path) -> None:
+    synced_store(db_url, config).close()
+    docs = int(ok(fleet("enqueue", "docs", "--key", "issue:5", url=db_url, config=config, cwd=home)).strip())
+    review = int(ok(fleet("enqueue", "review", "--key", "issue:5", url=db_url, config=config, cwd=home)).strip())
+    assert docs != review
+    assert (task_row(db_url, docs)["lane"], task_row(db_url, review)["lane"]) == ("docs", "review")  # type: ignore[index]
+    again = fleet("enqueue", "review", "--key", "issue:5", url=db_url, config=config, cwd=home)
+    assert ok(again).strip() == str(review)
+    assert "key 'issue:5' already existed in lane review: task" in again.stderr
+    # a key of two lanes: the lane says which
+    data = json.loads(ok(fleet("show", "issue:5", "--lane", "review", "--json", url=db_url, config=config, cwd=home)))
+    assert data["task"]["id"] == review
+    assert f"task {docs}: cancelled" in ok(fleet("cancel", "issue:5", "-l", "docs", url=db_url, config=config, cwd=home))
+    assert (task_row(db_url, docs)["state"], task_row(db_url, review)["state"]) == ("cancelled", "queued")  # type: ignore[index]
+    assert f"task {docs}: queued" in ok(fleet("retry", "issue:5", "--lane", "docs", url=db_url, config=config, cwd=home))
+    # the same file of tasks in two lanes: per line, its lane
+    (home / "two-lanes.jsonl").write_text('{"key": "f:1"}\n{"key": "f:1", "lane": "review"}\n')
+    out = json.loads(ok(fleet("enqueue", "--from", str(home / "two-lanes.jsonl"), "--lane", "docs", "--json",
+                              url=db_url, config=config, cwd=home)))
+    assert [(t["lane"], t["created"]) for t in out["tasks"]] == [("docs", True), ("review", True)]
+
+
+def test_pools_list_and_clear(db_url: str, config: Path, home: Path) -> None:
+    synced_store(db_url, config).close()
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("select fleet.sync_pool('max', 3)")
+        c.execute("select fleet.sync_pool('idle', null)")
+        c.execute("update fleet.pools set throttled_until = now() + interval '2 hours', throttle_note = 'weekly limit',"
+                  " throttled_by = '{\"task\": 12, \"lane\": \"docs\", \"host\": \"host-1\", \"role\": \"fleet_worker\"}'"
+                  " where name = 'max'")
+    out = ok(fleet("pools", "list", url=db_url, config=config, cwd=home))
+    assert "max" in out and "weekly limit" in out and "task 12 (lane docs) on host-1, fleet_worker" in out
+    rows = json.loads(ok(fleet("pools", "list", "--json", url=db_url, config=config, cwd=home)))
+    assert [(r["name"], r["slots"], r["throttled_until"] is not None) for r in rows] == [
+        ("idle", None, False), ("max", 3, True)]
+    out = ok(fleet("pools", "clear", "max", url=db_url, config=config, cwd=home))
+    assert "pool max: throttle lifted" in out and "set by task 12 (lane docs) on host-1, fleet_worker" in out
+    assert one_value(db_url, "select throttled_until from fleet.pools where name = 'max'") is None
+    assert one_value(db_url, "select count(*) from fleet.events where kind = 'throttle_cleared'") == 1
+    got = json.loads(ok(fleet("pools", "clear", "max", "--json", url=db_url, config=config, cwd=home)))
+    assert (got["was_until"], got["tasks"]) == (None, 0)
+    assert "pool idle was not throttled" in ok(fleet("pools", "clear", "idle", url=db_url, config=config, cwd=home))
+
+
 # ------------------------------------------------------------------------------------------------
 # bad inputs: exit 1, one line on stderr, no traceback, nothing written
 
@@ -295,7 +340,14 @@ BAD = [
     Bad("empty-key", ["enqueue", "docs", "--key", ""], "task key must be 1 to 200 characters"),
     Bad("existing-key-bad-priority", ["enqueue", "docs", "--key", "{queued_key}", "--priority", "5000"],
         "priority must be between 0 and 1000"),
+    Bad("payload-too-large", ["enqueue", "docs", "--key", "bad:23", "--payload", "@big.json"],
+        "payload is 1048588 bytes, more than lane docs's max_payload_bytes of 1048576", key="bad:23"),
     Bad("show-unknown-id", ["show", "99999999"], "no task with id or key '99999999'"),
+    Bad("show-ambiguous-key", ["show", "existing:shared"], "key 'existing:shared' names 2 tasks, in lanes docs, review"),
+    Bad("cancel-ambiguous-key", ["cancel", "existing:shared"], "give the lane (--lane)"),
+    Bad("show-key-in-another-lane", ["show", "existing:queued", "--lane", "review"],
+        "no task with id or key 'existing:queued' in lane review"),
+    Bad("pools-clear-unknown", ["pools", "clear", "nope"], "unknown pool 'nope'"),
     Bad("show-unknown-key", ["show", "no:such:key", "--json"], "no task with id or key 'no:such:key'"),
     Bad("show-markup-key", ["show", "[/bogus]"], "'[/bogus]'"),
     Bad("cancel-unknown", ["cancel", "no:such:key"], "no task with id or key"),
@@ -340,6 +392,8 @@ def bad_runs(pg_server: str, template_db: str, home: Path) -> Iterator[BadRuns]:
     try:
         with synced_store(url, home / "fleet.toml") as store:
             queued, _ = store.enqueue("docs", "existing:queued")
+            store.enqueue("docs", "existing:shared")
+            store.enqueue("review", "existing:shared")
             store.enqueue("docs", "existing:done", priority=10)
             session = store.open_session("docs", "host-1", 4242, None, 600)
             [done] = store.claim(session, 1)

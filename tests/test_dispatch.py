@@ -127,7 +127,9 @@ def test_an_unknown_profile_or_tier_is_refused_at_enqueue_and_nothing_is_written
 
     with pytest.raises(InvalidInput, match=r"unknown profile 'nope'.*") as info:
         fleet.store.enqueue("work", "k1", {}, profile="nope")
-    assert "agent-a, agent-b" in (info.value.hint or "")
+    # a caller of every lane is told every profile; a key limited to lanes, only its lane's (agent-b
+    # is no profile of lane work's)
+    assert ("the profiles of lane work: agent-a" if fleet.backend.rest else "agent-a, agent-b") in (info.value.hint or "")
     with pytest.raises(InvalidInput, match="lane work has no tier 'huge'"):
         fleet.store.enqueue("work", "k2", {}, tier="huge")
 

@@ -32,6 +32,7 @@ from worker.errors import (
     FleetError,
     InvalidInput,
     InvalidState,
+    LaneForbidden,
     LeaseLost,
     RouteRefused,
     SessionLost,
@@ -40,6 +41,7 @@ from worker.errors import (
 )
 from worker.models import Heartbeat, LeaseAnswer, RepairAction, Task
 from worker.store.postgres import PostgresStore
+from worker.store.supabase import AccessDenied
 from worker.store.sync import lane_settings
 
 
@@ -377,6 +379,128 @@ def test_transient_drop_session_and_throttle_through_the_store(backend: Backend)
         if store is not None:
             store.close()
         direct.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# keys per lane, and an operator's lever on a pool's throttle, on both back-ends
+
+
+def test_keys_are_per_lane_through_the_store(backend: Backend) -> None:
+    """The same key in two lanes is two tasks; finding one by key takes the lane where the key is
+    ambiguous; a route into a lane that has the key is refused; a routed task keeps its key in the
+    lane it left."""
+    direct = PostgresStore(backend.db_url)
+    stores: list[Any] = []
+    try:
+        direct.sync_lane("docs", settings())
+        direct.sync_lane("review", settings(accepts_from=["docs"]))
+        store = backend.store(backend.key("worker", ["docs", "review"]))
+        stores.append(store)
+        docs_id, c1 = store.enqueue("docs", "issue:1", {"in": "docs"})
+        review_id, c2 = store.enqueue("review", "issue:1", {"in": "review"})
+        assert c1 and c2 and docs_id != review_id
+        assert store.enqueue("docs", "issue:1") == (docs_id, False)
+        assert store.enqueue_many("review", [{"key": "issue:1"}, {"key": "issue:1", "lane": "docs"}]) == [
+            (review_id, False), (docs_id, False)]
+        with pytest.raises(InvalidInput, match="names 2 tasks, in lanes docs, review"):
+            store.get_task("issue:1")
+        assert store.get_task("issue:1", "docs").payload == {"in": "docs"}
+        assert store.get_task("issue:1", "review").id == review_id
+        assert store.get_task(docs_id).id == docs_id
+        with pytest.raises(UnknownTask, match="in lane review"):
+            store.get_task(docs_id, "review")  # an id of a task elsewhere is no match
+        with pytest.raises(UnknownTask):
+            store.get_task("issue:1", "nowhere")
+        # a key for docs alone sees only docs's task of the key: not ambiguous to it
+        if backend.rest:
+            docs_only = backend.store(backend.key("worker", ["docs"]))
+            stores.append(docs_only)
+            assert docs_only.get_task("issue:1").id == docs_id
+
+        session = store.open_session("docs", "host-1", 4242, None, 600)
+        [t] = store.claim(session, 1)
+        assert t.id == docs_id and t.lease_token is not None
+        with pytest.raises(RouteRefused, match=f"lane 'review' already has a task of key 'issue:1' \\(task {review_id}\\)"):
+            store.route(t.id, t.lease_token, "review")
+        assert direct.get_task(docs_id).state == "running"
+        assert store.complete(t.id, t.lease_token) == "done"
+        # a task routed on keeps its key in the lane it left
+        moved, _ = store.enqueue("docs", "issue:2")
+        [t] = store.claim(session, 1)
+        assert t.id == moved and t.lease_token is not None
+        assert store.route(t.id, t.lease_token, "review") == "queued"
+        assert store.enqueue("docs", "issue:2") == (moved, False)
+        assert store.get_task("issue:2", "docs").id == moved and store.get_task("issue:2", "docs").lane == "review"
+        assert store.get_task("issue:2").id == moved
+    finally:
+        for st in stores:
+            st.close()
+        direct.close()
+
+
+def test_an_operator_clears_a_pools_throttle_through_the_store(backend: Backend) -> None:
+    direct = PostgresStore(backend.db_url)
+    stores: list[Any] = []
+    try:
+        direct.sync_pool("pool", None)
+        direct.sync_profile("prof", "pool", {})
+        direct.sync_lane("docs", settings(profile="prof"))
+        direct.sync_lane("other", settings(profile="prof"))
+        worker = backend.store(backend.key("worker", ["docs"]))
+        operator = backend.store(backend.key("operator"))
+        stores += [worker, operator]
+        first, _ = direct.enqueue("docs", "t:1")
+        direct.enqueue("other", "t:2")
+        session = worker.open_session("docs", "host-7", 4242, None, 600)
+        [t] = worker.claim(session, 1)
+        assert t.lease_token is not None
+        before = direct_now(backend.db_url)
+        # a worker asks for a pause until the end of time: it gets the longest window
+        until = worker.throttle(t.id, t.lease_token, until=datetime(9999, 12, 31, tzinfo=UTC), note="weekly limit")
+        assert before + timedelta(days=8) <= until <= direct_now(backend.db_url) + timedelta(days=8)
+        [pool] = operator.pools()
+        assert (pool["name"], pool["throttled_until"], pool["throttle_note"]) == ("pool", until, "weekly limit")
+        by = pool["throttled_by"]
+        assert (by["task"], by["lane"], by["host"]) == (first, "docs", "host-7")
+        assert by["role"] == ("fleet_worker" if backend.rest else direct_login(backend.db_url))
+        other_session = direct.open_session("other", "host-8", 1, None, 600)
+        assert direct.claim(other_session, 1) == []  # every lane of the pool waits
+        if backend.rest:  # a worker key may not lift it, nor an operator key of some lanes
+            with pytest.raises(AccessDenied):
+                worker.clear_throttle("pool")
+            some = backend.store(backend.key("operator", ["docs"]))
+            stores.append(some)
+            with pytest.raises(LaneForbidden):
+                some.clear_throttle("pool")
+        with pytest.raises(InvalidInput, match="unknown pool 'nope'"):
+            operator.clear_throttle("nope")
+        got = operator.clear_throttle("pool")
+        assert (got["pool"], got["note"], got["tasks"], got["set_by"]["task"]) == ("pool", "weekly limit", 1, first)
+        assert datetime.fromisoformat(got["was_until"]) == until
+        [pool] = operator.pools()
+        assert (pool["throttled_until"], pool["throttle_note"], pool["throttled_by"]) == (None, None, None)
+        assert [x.key for x in direct.claim(other_session, 1)] == ["t:2"]
+        assert direct.get_task(first).run_at <= direct_now(backend.db_url)
+        assert operator.clear_throttle("pool")["was_until"] is None  # nothing left to lift
+        with psycopg.connect(backend.db_url, autocommit=True) as conn:
+            row = conn.execute("select detail from fleet.events where kind = 'throttle_cleared'").fetchall()
+        assert len(row) == 1 and row[0][0]["by"]["role"] == ("fleet_operator" if backend.rest else direct_login(backend.db_url))
+    finally:
+        for st in stores:
+            st.close()
+        direct.close()
+
+
+def direct_login(url: str) -> str:
+    with psycopg.connect(url) as conn:
+        row = conn.execute("select session_user::text").fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def direct_now(url: str) -> datetime:
+    with psycopg.connect(url) as conn:
+        return db_now(conn)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -29,6 +29,13 @@ LANE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}\Z")  # \Z: "$" would let "doc
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 PLACEHOLDERS = {"prompt_file", "workspace", "model", "task_id", "agent_session"}
+# the longest pause a usage limit puts on a pool: the longest window any provider meters (a week)
+# and a day's slack. The database's fleet._longest_throttle() caps every throttle at it, and the
+# shift believes no reset further ahead (worker.shift.limits.LONGEST_RESET)
+LONGEST_THROTTLE_SECONDS = 8 * 86400.0
+# a task's payload (its JSON text) at most, per lane unless fleet.toml says otherwise (enforced in
+# the database: fleet._max_payload_bytes)
+MAX_PAYLOAD_BYTES = 1 << 20
 
 
 def parse_duration(value: str | int | float) -> float:
@@ -186,8 +193,10 @@ class ProfileConfig(_AgentAccess):
     # final message or the tail of its output
     limit_exit_codes: list[int] = Field(default_factory=list)
     limit_patterns: list[str] = Field(default_factory=lambda: list(DEFAULT_LIMIT_PATTERNS))
-    throttle_backoff: float = 900.0  # the pool's pause when the message names no reset time
-    throttle_floor: float = 60.0  # never a shorter pause, whatever the message said (no hot loop)
+    # the pool's pause when the message names no reset time; never a shorter one, whatever the
+    # message said (no hot loop); neither past the longest window (the database cuts every pause there)
+    throttle_backoff: float = Field(default=900.0, le=LONGEST_THROTTLE_SECONDS)
+    throttle_floor: float = Field(default=60.0, le=LONGEST_THROTTLE_SECONDS)
 
     _split_command = field_validator("command", mode="before")(classmethod(lambda cls, v: _argv(v)))
     _placeholders = field_validator("command")(classmethod(lambda cls, v: _check_placeholders(v)))
@@ -243,6 +252,7 @@ class LaneConfig(_AgentAccess):
     backoff_max_seconds: int = Field(default=3600, ge=0)
     # transient provider errors (overloaded, 5xx, connection reset) retried before one counts as a failure
     max_transient: int = Field(default=10, ge=0)
+    max_payload_bytes: int = Field(default=MAX_PAYLOAD_BYTES, ge=1)  # an enqueue's payload (JSON text), at most
     accepts_from: list[str] | None = None
     paused: bool = False
     cron: str | None = None

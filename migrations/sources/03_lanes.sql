@@ -113,7 +113,7 @@ revoke all on function fleet.sync_pool(text,integer) from public;
 grant execute on function fleet.sync_pool(text,integer) to service_role;
 
 -- p_throttle_floor: the shortest pause a usage limit of a run under this profile gets
--- (fleet.throttle), in seconds.
+-- (fleet.throttle), in seconds: 0 up to fleet._longest_throttle().
 create or replace function fleet.sync_profile(p_name text, p_pool text, p_models jsonb,
                                               p_throttle_floor double precision default 60)
 returns text
@@ -133,9 +133,10 @@ begin
         perform fleet._raise('LF005', format('profile %s: models must be a JSON object (tier -> model)', p_name));
     end if;
     -- not (… and …): a NaN compares greater than every number, infinity included
-    if not (v_floor >= 0 and v_floor < 'infinity') then
-        perform fleet._raise('LF005', format('profile %s: throttle_floor must be 0 seconds or more, not %s',
-                                             p_name, v_floor));
+    if not (v_floor >= 0 and v_floor <= extract(epoch from fleet._longest_throttle())) then
+        perform fleet._raise('LF005', format('profile %s: throttle_floor must be 0 to %s seconds, not %s',
+                                             p_name, extract(epoch from fleet._longest_throttle())::bigint, v_floor),
+            'no pause is longer than the longest provider window (fleet._longest_throttle())');
     end if;
     if p_pool is not null and not exists (select 1 from fleet.pools where name = p_pool) then
         perform fleet._raise('LF005', format('profile %s draws from unknown pool %L', p_name, p_pool),
@@ -161,6 +162,63 @@ end
 $$;
 revoke all on function fleet.sync_profile(text,text,jsonb,double precision) from public;
 grant execute on function fleet.sync_profile(text,text,jsonb,double precision) to service_role;
+
+-- The longest pause a usage limit may put on a pool (and on its task): the longest window any
+-- provider meters (a week) and a day's slack. fleet.throttle never pauses longer, whatever a
+-- worker says, and no profile's throttle floor is longer (worker.shift.limits.LONGEST_RESET: the
+-- worker does not believe a reset further ahead).
+create or replace function fleet._longest_throttle()
+returns interval
+language sql
+immutable
+as $$
+    select interval '8 days';
+$$;
+revoke all on function fleet._longest_throttle() from public;
+grant execute on function fleet._longest_throttle() to service_role;
+
+-- Who is calling, for the journal and for what a caller leaves behind (a pool's throttle): the
+-- role the call runs as (PostgREST's SET ROLE, the key's role; else the login) and the key's
+-- subject (its `sub` claim), when a key made the call.
+create or replace function fleet._caller()
+returns jsonb
+language sql
+stable
+as $$
+    select jsonb_strip_nulls(jsonb_build_object(
+        'role', coalesce(nullif(nullif(current_setting('role', true), ''), 'none'), session_user::text),
+        'key', nullif(current_setting('request.jwt.claims', true), '')::jsonb ->> 'sub'));
+$$;
+revoke all on function fleet._caller() from public;
+grant execute on function fleet._caller() to service_role;
+
+-- The hint of an unknown profile, naming only profiles the caller may know of: every profile for
+-- a caller that works every lane; else the profiles lane p_lane draws from (its own and those of
+-- its dispatch, which the caller reads in its lane's row anyway).
+create or replace function fleet._profiles_hint(p_lane text)
+returns text
+language sql
+stable
+as $$
+    select case
+        when fleet._allowed_lanes() is null then
+            'known profiles: ' || coalesce((select string_agg(name, ', ' order by name) from fleet.profiles), 'none')
+            || '; profiles come from fleet.toml by `fleet lanes sync`'
+        else
+            coalesce('the profiles of lane ' || p_lane || ': ' || (
+                select string_agg(distinct pf.name, ', ' order by pf.name)
+                  from fleet.lanes l
+                  join fleet.profiles pf
+                    on pf.name = l.config ->> 'profile'
+                    or pf.name in (select d ->> 'profile' from jsonb_array_elements(
+                                       case when jsonb_typeof(l.config -> 'dispatch') = 'array'
+                                            then l.config -> 'dispatch' else '[]' end) d)
+                 where l.name = p_lane and fleet._lane_allowed(p_lane)),
+                'profiles come from fleet.toml by `fleet lanes sync`')
+    end;
+$$;
+revoke all on function fleet._profiles_hint(text) from public;
+grant execute on function fleet._profiles_hint(text) to service_role;
 
 -- The lane's tiers, lowest first (empty: the lane has none).
 create or replace function fleet._tiers(l fleet.lanes)

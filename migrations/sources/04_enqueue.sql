@@ -3,6 +3,40 @@
 -- The one hand-edited definition of each function and view below. A change here needs a
 -- migration made from it: `uv run python -m worker.dev.sqlsources new <name>` (see README).
 
+-- Keys are per lane: a key names one task in each lane, the task enqueued into the lane with it or
+-- routed into the lane with it. A task keeps its key in every lane it has been in (its stages):
+-- enqueueing the key into a lane the task has left answers with that task, wherever it went, and
+-- fleet.route does not take a task into a lane that has another task of its key. The same key in
+-- two lanes that never shared a task is two tasks.
+create or replace function fleet._key_holder(p_lane text, p_key text)
+returns table (id bigint, lane text)
+language sql
+stable
+as $$
+    select t.id, t.lane
+      from fleet.tasks t
+     where t.key = p_key
+       and (t.lane = p_lane or t.stages @> jsonb_build_array(jsonb_build_object('lane', p_lane)))
+     order by t.lane = p_lane desc, t.id
+     limit 1;
+$$;
+revoke all on function fleet._key_holder(text,text) from public;
+grant execute on function fleet._key_holder(text,text) to service_role;
+
+-- The most bytes a task's payload may take in lane l (its JSON text): the lane's
+-- max_payload_bytes, 1 MiB unless fleet.toml says otherwise.
+create or replace function fleet._max_payload_bytes(l fleet.lanes)
+returns bigint
+language sql
+immutable
+as $$
+    select case when jsonb_typeof(l.config -> 'max_payload_bytes') = 'number'
+                then (l.config ->> 'max_payload_bytes')::numeric::bigint
+                else 1048576 end;
+$$;
+revoke all on function fleet._max_payload_bytes(fleet.lanes) from public;
+grant execute on function fleet._max_payload_bytes(fleet.lanes) to service_role;
+
 create or replace function fleet.enqueue_task(
     p_lane text, p_key text, p_payload jsonb default '{}', p_priority int default 0,
     p_run_at timestamptz default now(), p_max_attempts int default null, p_title text default null,
@@ -17,6 +51,7 @@ as $$
 declare
     v_id bigint;
     v_lane text;
+    v_size bigint;
     l fleet.lanes;
 begin
     perform fleet._require_lane(p_lane);
@@ -27,6 +62,14 @@ begin
     if p_payload is not null and jsonb_typeof(p_payload) <> 'object' then
         perform fleet._raise('LF005',
             format('payload must be a JSON object, not a JSON %s', jsonb_typeof(p_payload)));
+    end if;
+    v_size := octet_length(p_payload::text);
+    if v_size > fleet._max_payload_bytes(l) then
+        perform fleet._raise('LF005',
+            format('payload is %s bytes, more than lane %s''s max_payload_bytes of %s', v_size, p_lane,
+                   fleet._max_payload_bytes(l)),
+            'keep large inputs elsewhere (a file, a URL) and name them in the payload, or raise the lane''s '
+            'max_payload_bytes in fleet.toml');
     end if;
     if p_priority is null or p_priority not between 0 and 1000 then
         perform fleet._raise('LF005', format('priority must be between 0 and 1000, not %s', p_priority),
@@ -45,32 +88,45 @@ begin
             format('--max-cost %s, --max-tokens %s', p_max_cost_usd, p_max_tokens));
     end if;
     if p_profile is not null and not exists (select 1 from fleet.profiles where name = p_profile) then
-        perform fleet._raise('LF005', format('unknown profile %L', p_profile),
-            'known profiles: ' || coalesce((select string_agg(name, ', ' order by name) from fleet.profiles), 'none')
-            || '; profiles come from fleet.toml by `fleet lanes sync`');
+        perform fleet._raise('LF005', format('unknown profile %L', left(p_profile, 100)), fleet._profiles_hint(p_lane));
     end if;
 
-    insert into fleet.tasks (lane, key, title, payload, priority, run_at, max_attempts, tier, profile,
-                             max_cost_usd, max_tokens)
-    values (p_lane, p_key, p_title, coalesce(p_payload, '{}'), p_priority, coalesce(p_run_at, now()),
-            p_max_attempts, fleet._tier_for(l, p_tier), p_profile, p_max_cost_usd, p_max_tokens)
-    on conflict (key) do nothing
-    returning id into v_id;
-
+    -- the key's task in this lane, if it has one (fleet._key_holder); else a new one. A concurrent
+    -- enqueue of the same key into this lane waits on the key's index entry and then finds the
+    -- task the other made (the second select: a statement of its own, whose snapshot sees it).
+    select h.id, h.lane into v_id, v_lane from fleet._key_holder(p_lane, p_key) h;
     if v_id is null then
-        select t.id, t.lane into v_id, v_lane from fleet.tasks t where t.key = p_key;
-        perform fleet._require_lane(v_lane);  -- the key's task may be in a lane this caller may not see
-        return query select v_id, false;
-        return;
+        insert into fleet.tasks (lane, key, title, payload, priority, run_at, max_attempts, tier, profile,
+                                 max_cost_usd, max_tokens)
+        values (p_lane, p_key, p_title, coalesce(p_payload, '{}'), p_priority, coalesce(p_run_at, now()),
+                p_max_attempts, fleet._tier_for(l, p_tier), p_profile, p_max_cost_usd, p_max_tokens)
+        on conflict (key, lane) do nothing
+        returning id into v_id;
+        if v_id is not null then
+            perform fleet._event('enqueued', p_lane, v_id, null,
+                jsonb_strip_nulls(jsonb_build_object('key', p_key, 'priority', p_priority,
+                    'run_at', coalesce(p_run_at, now()), 'tier', fleet._tier_for(l, p_tier), 'profile', p_profile)));
+            return query select v_id, true;
+            return;
+        end if;
+        select h.id, h.lane into v_id, v_lane from fleet._key_holder(p_lane, p_key) h;
+        if v_id is null then  -- (the key's task left and came back while this waited: never seen)
+            raise exception using errcode = 'serialization_failure',
+                message = format('key %L of lane %s changed hands during this enqueue; try again', left(p_key, 100), p_lane);
+        end if;
     end if;
-    perform fleet._event('enqueued', p_lane, v_id, null,
-        jsonb_strip_nulls(jsonb_build_object('key', p_key, 'priority', p_priority,
-            'run_at', coalesce(p_run_at, now()), 'tier', fleet._tier_for(l, p_tier), 'profile', p_profile)));
-    return query select v_id, true;
+    -- the key's task was routed on to a lane this caller may not work: say so, without naming it
+    if not fleet._lane_allowed(v_lane) then
+        perform fleet._raise('LF008',
+            format('key %L of lane %s belongs to a task that has moved on to a lane not allowed for this key',
+                   left(p_key, 100), p_lane),
+            'a key names one task in each lane, and a routed task keeps its key in the lanes it left');
+    end if;
+    return query select v_id, false;
 end
 $$;
 comment on function fleet.enqueue_task is
-    'enqueue, also saying whether the key was new (created) or already existed';
+    'enqueue, also saying whether the key was new in the lane (created) or already named a task there';
 revoke all on function fleet.enqueue_task(text,text,jsonb,integer,timestamp with time zone,integer,text,text,text,numeric,bigint) from public;
 grant execute on function fleet.enqueue_task(text,text,jsonb,integer,timestamp with time zone,integer,text,text,text,numeric,bigint) to fleet_operator, fleet_worker, service_role;
 
@@ -86,7 +142,7 @@ as $$
                                            p_max_attempts, p_title);
 $$;
 comment on function fleet.enqueue is
-    'queue a task; idempotent on key: the same key returns the existing id';
+    'queue a task; idempotent on (lane, key): the same key in the same lane returns the existing id';
 revoke all on function fleet.enqueue(text,text,jsonb,integer,timestamp with time zone,integer,text) from public;
 grant execute on function fleet.enqueue(text,text,jsonb,integer,timestamp with time zone,integer,text) to fleet_operator, fleet_worker, service_role;
 
@@ -135,8 +191,14 @@ declare
     v_max_cost numeric[];
     v_max_tokens bigint[];
     v_extra boolean;
+    v_small boolean;
     v_new_ids bigint[];
+    v_new_lanes text[];
     v_new_keys text[];
+    v_old_idx int[];
+    v_old_ids bigint[];
+    v_lost int;
+    v_forbidden int;
 begin
     if p_tasks is null or jsonb_typeof(p_tasks) <> 'array' then
         perform fleet._raise('LF005',
@@ -146,6 +208,10 @@ begin
     if jsonb_array_length(p_tasks) = 0 then
         return;
     end if;
+
+    -- is the whole array within the smallest payload cap of any lane? (then no payload is past its
+    -- lane's: the check per element is skipped)
+    v_small := octet_length(p_tasks::text) <= (select min(fleet._max_payload_bytes(l)) from fleet.lanes l);
 
     -- does any task name a tier, a profile or a budget?
     v_extra := jsonb_path_exists(p_tasks, '$[*] ? (exists(@.tier) || exists(@.profile) || exists(@.max_cost_usd)'
@@ -166,6 +232,10 @@ begin
                    when length(e.key) not between 1 and 200 then 'key_length'
                    when not exists (select 1 from fleet.lanes l where l.name = e.lane) then 'lane_unknown'
                    when coalesce(jsonb_typeof(e.t -> 'payload'), 'null') not in ('object', 'null') then 'payload'
+                   when not v_small and jsonb_typeof(e.t -> 'payload') = 'object'
+                        and octet_length((e.t -> 'payload')::text)
+                            > (select fleet._max_payload_bytes(l) from fleet.lanes l where l.name = e.lane)
+                        then 'payload_size'
                    when coalesce(jsonb_typeof(e.t -> 'title'), 'null') not in ('string', 'null') then 'title'
                    when coalesce(jsonb_typeof(e.t -> 'priority'), 'null') not in ('number', 'null') then 'priority_type'
                    when jsonb_typeof(e.t -> 'priority') = 'number'
@@ -249,6 +319,12 @@ begin
         when 'payload' then
             perform fleet._raise('LF005', v_where || format('payload must be a JSON object, not a JSON %s',
                 jsonb_typeof(v_bad.detail -> 'payload')));
+        when 'payload_size' then
+            perform fleet._raise('LF005', v_where || format('payload is %s bytes, more than lane %s''s max_payload_bytes of %s',
+                octet_length((v_bad.detail -> 'payload')::text), v_bad.lane,
+                (select fleet._max_payload_bytes(l) from fleet.lanes l where l.name = v_bad.lane)),
+                'keep large inputs elsewhere (a file, a URL) and name them in the payload, or raise the lane''s '
+                'max_payload_bytes in fleet.toml');
         when 'title' then
             perform fleet._raise('LF005', v_where || format('title must be a string, not a JSON %s',
                 jsonb_typeof(v_bad.detail -> 'title')));
@@ -286,8 +362,7 @@ begin
                 jsonb_typeof(v_bad.detail -> 'profile')));
         when 'profile' then
             perform fleet._raise('LF005', v_where || format('unknown profile %L', left(v_bad.detail ->> 'profile', 100)),
-                'known profiles: ' || coalesce((select string_agg(name, ', ' order by name) from fleet.profiles), 'none')
-                || '; profiles come from fleet.toml by `fleet lanes sync`');
+                fleet._profiles_hint(v_bad.lane));
         when 'max_cost_type' then
             perform fleet._raise('LF005', v_where || format('max_cost_usd must be a number, not a JSON %s',
                 jsonb_typeof(v_bad.detail -> 'max_cost_usd')));
@@ -349,14 +424,17 @@ begin
           from jsonb_array_elements(p_tasks) with ordinality x(t, ord);
     end if;
 
-    -- 3. insert the new keys (the first element of a key given twice)
+    -- 3. insert the new keys: the first element of each (lane, key) that names no task yet
+    --    (fleet._key_holder: the task in the lane, or one that was in it and moved on)
     with item as (
         select u.* from unnest(v_idx, v_lane, v_key, v_title, v_payload, v_priority, v_run_at, v_max,
                                v_tier, v_profile, v_max_cost, v_max_tokens)
                         as u(idx, lane, key, title, payload, priority, run_at, max_attempts,
                              tier, profile, max_cost_usd, max_tokens)
     ), firsts as (
-        select distinct on (i.key) i.* from item i order by i.key, i.idx
+        select distinct on (i.lane, i.key) i.* from item i
+         where not exists (select 1 from fleet._key_holder(i.lane, i.key))
+         order by i.lane, i.key, i.idx
     ), numbered as materialized (
         -- ids drawn in input order (the subquery's ORDER BY is the order nextval runs in)
         select f.*, nextval(v_seq) as new_id from (select * from firsts order by firsts.idx) f
@@ -367,27 +445,35 @@ begin
         select n.new_id, n.lane, n.key, n.title, n.payload, n.priority, n.run_at, n.max_attempts,
                n.tier, n.profile, n.max_cost_usd, n.max_tokens
           from numbered n
-         order by n.key  -- the lock order on the key index: see the comment above the function
-        on conflict (key) do nothing
-        returning t.id, t.key
+         order by n.key, n.lane  -- the lock order on the key index (key, lane)
+        on conflict (key, lane) do nothing
+        returning t.id, t.lane, t.key
     )
-    select coalesce(array_agg(ins.id), '{}'), coalesce(array_agg(ins.key), '{}') into v_new_ids, v_new_keys from ins;
+    select coalesce(array_agg(ins.id), '{}'), coalesce(array_agg(ins.lane), '{}'), coalesce(array_agg(ins.key), '{}')
+      into v_new_ids, v_new_lanes, v_new_keys from ins;
 
-    -- 4. the keys that existed: in a statement of its own, whose snapshot sees another call that
-    --    committed the same key while the insert waited for it (as enqueue_task does). A key whose
-    --    task is in a lane this caller may not work is refused as enqueue_task refuses it.
-    select e.idx, e.key, t.lane into v_bad
-      from unnest(v_idx, v_key) as e(idx, key)
-      join fleet.tasks t on t.key = e.key
-      left join unnest(v_new_keys) as n(key) on n.key = e.key
-     where n.key is null
-       and not (v_allowed is null or t.lane = any (v_allowed))
-     order by e.idx
-     limit 1;
-    if found then
-        perform fleet._raise('LF008', format('p_tasks[%s] (key %L): lane %L is not allowed for this key',
-            v_bad.idx, left(v_bad.key, 100), v_bad.lane),
-            'the key''s fleet_lanes claim lists the lanes it may work; mint one with `fleet keys mint --lane`');
+    -- 4. the keys that named a task already (or were inserted by another call while the insert
+    --    waited for it: a statement of its own, whose snapshot sees them, as enqueue_task does):
+    --    their task, and the first whose task was routed on to a lane this caller may not work
+    --    is refused as enqueue_task refuses it
+    select array_agg(e.idx order by e.idx), array_agg(h.id order by e.idx),
+           min(e.idx) filter (where h.id is null),
+           min(e.idx) filter (where not (v_allowed is null or h.lane = any (v_allowed)))
+      into v_old_idx, v_old_ids, v_lost, v_forbidden
+      from (select e.* from unnest(v_idx, v_lane, v_key) as e(idx, lane, key)
+             where not exists (select 1 from unnest(v_new_lanes, v_new_keys) as n(lane, key)
+                                where n.lane = e.lane and n.key = e.key)) e
+      left join lateral fleet._key_holder(e.lane, e.key) h on true;
+    if v_lost is not null then  -- (as in enqueue_task: never seen)
+        raise exception using errcode = 'serialization_failure',
+            message = format('p_tasks[%s] (key %L): the key changed hands during this enqueue; try again',
+                             v_lost, left(v_key[v_lost + 1], 100));
+    end if;
+    if v_forbidden is not null then
+        perform fleet._raise('LF008', format('p_tasks[%s] (key %L): the key''s task of lane %s has moved on to a lane '
+                                             'not allowed for this key',
+            v_forbidden, left(v_key[v_forbidden + 1], 100), v_lane[v_forbidden + 1]),
+            'a key names one task in each lane, and a routed task keeps its key in the lanes it left');
     end if;
 
     -- 5. one journal row per new task, in input order
@@ -397,27 +483,29 @@ begin
                 then jsonb_strip_nulls(jsonb_build_object('key', i.key, 'priority', i.priority, 'run_at', i.run_at,
                                                           'tier', i.tier, 'profile', i.profile))
                 else jsonb_build_object('key', i.key, 'priority', i.priority, 'run_at', i.run_at) end
-      from unnest(v_new_ids, v_new_keys) as n(id, key)
-      join (select distinct on (u.key) u.*
+      from unnest(v_new_ids, v_new_lanes, v_new_keys) as n(id, lane, key)
+      join (select distinct on (u.lane, u.key) u.*
               from unnest(v_idx, v_lane, v_key, v_priority, v_run_at, v_tier, v_profile)
                    as u(idx, lane, key, priority, run_at, tier, profile)
-             order by u.key, u.idx) i on i.key = n.key
+             order by u.lane, u.key, u.idx) i on i.lane = n.lane and i.key = n.key
      order by i.idx;
 
-    -- 6. every element: its task, and whether this call created it (only the first element of a new key)
+    -- 6. every element: its task, and whether this call created it (only the first element of a
+    --    new (lane, key))
     return query
-    select i.idx, coalesce(n.id, t.id), i.key, n.id is not null and i.idx = f.idx
-      from unnest(v_idx, v_key) as i(idx, key)
-      join (select j.key, min(j.idx) as idx from unnest(v_idx, v_key) as j(idx, key) group by j.key) f
-        on f.key = i.key
-      left join unnest(v_new_ids, v_new_keys) as n(id, key) on n.key = i.key
-      left join fleet.tasks t on n.id is null and t.key = i.key
+    select i.idx, coalesce(n.id, o.id), i.key, n.id is not null and i.idx = f.idx
+      from unnest(v_idx, v_lane, v_key) as i(idx, lane, key)
+      join (select j.lane, j.key, min(j.idx) as idx from unnest(v_idx, v_lane, v_key) as j(idx, lane, key)
+             group by j.lane, j.key) f
+        on f.lane = i.lane and f.key = i.key
+      left join unnest(v_new_ids, v_new_lanes, v_new_keys) as n(id, lane, key) on n.lane = i.lane and n.key = i.key
+      left join unnest(v_old_idx, v_old_ids) as o(idx, id) on o.idx = i.idx
      order by i.idx;
 end
 $$;
 comment on function fleet.enqueue_many is
     'enqueue_task for many tasks at once, all or nothing: (idx, id, key, created) per element, in input '
-    'order. An element: key, and optionally lane, payload, title, priority, run_at or delay_seconds, '
-    'max_attempts, tier, profile, max_cost_usd, max_tokens.';
+    'order; keys are per lane, as enqueue_task takes them. An element: key, and optionally lane, payload, '
+    'title, priority, run_at or delay_seconds, max_attempts, tier, profile, max_cost_usd, max_tokens.';
 revoke all on function fleet.enqueue_many(text,jsonb) from public;
 grant execute on function fleet.enqueue_many(text,jsonb) to fleet_operator, fleet_worker, service_role;

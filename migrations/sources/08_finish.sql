@@ -242,6 +242,10 @@ $$;
 revoke all on function fleet.hand_off(bigint,uuid,jsonb) from public;
 grant execute on function fleet.hand_off(bigint,uuid,jsonb) to fleet_worker, service_role;
 
+-- This stage is done: the same task goes on in lane p_lane, its counters fresh, its stages kept.
+-- Refused (LF007, nothing changed) when p_lane does not accept routes from the task's lane, and
+-- when p_lane has another task of the task's key (keys are per lane, fleet._key_holder: the one in
+-- it, or one that was in it and moved on); the task keeps its key in the lane it leaves.
 create or replace function fleet.route(p_task bigint, p_token uuid, p_lane text, p_note jsonb default null)
 returns text
 language plpgsql
@@ -251,6 +255,8 @@ as $$
 declare
     t fleet.tasks;
     target fleet.lanes;
+    v_holder bigint;
+    v_holder_lane text;
 begin
     perform fleet._require_lane(p_lane);
     target := fleet._lane(p_lane);
@@ -262,20 +268,34 @@ begin
         perform fleet._raise('LF007', format('lane %L does not accept tasks routed from lane %L', p_lane, t.lane),
             'it accepts routes from: ' || coalesce(array_to_string(target.accepts_from, ', '), 'no lane'));
     end if;
+    select h.id, h.lane into v_holder, v_holder_lane
+      from fleet.tasks h
+     where h.key = t.key and h.id <> t.id
+       and (h.lane = p_lane or h.stages @> jsonb_build_array(jsonb_build_object('lane', p_lane)))
+     limit 1;
+    if v_holder is not null then
+        perform fleet._route_key_taken(t, p_lane, v_holder, v_holder_lane);
+    end if;
     -- close this stage into the history; the next stage's counters start fresh
-    update fleet.tasks
-       set stages = stages || jsonb_build_array(jsonb_build_object(
-               'lane', t.lane, 'attempts', t.attempts, 'failures', t.failures,
-               'evaporations', t.evaporations, 'handoffs', t.handoffs, 'transients', t.transients,
-               'agent_session', t.agent_session, 'checkpoint', t.checkpoint,
-               'note', p_note, 'routed_to', p_lane, 'finished_at', now())),
-           lane = p_lane, state = 'queued', run_at = now(), carry_over = false,
-           attempts = 0, failures = 0, evaporations = 0, handoffs = 0, transients = 0,
-           checkpoint = null, checkpoint_seq = 0, handoff = null,
-           agent_session = null, agent_session_host = null, agent_session_profile = null,
-           last_error = null, updated_at = now(),
-           lease_token = null, lease_expires_at = null, session_id = null
-     where id = p_task;
+    begin
+        update fleet.tasks
+           set stages = stages || jsonb_build_array(jsonb_build_object(
+                   'lane', t.lane, 'attempts', t.attempts, 'failures', t.failures,
+                   'evaporations', t.evaporations, 'handoffs', t.handoffs, 'transients', t.transients,
+                   'agent_session', t.agent_session, 'checkpoint', t.checkpoint,
+                   'note', p_note, 'routed_to', p_lane, 'finished_at', now())),
+               lane = p_lane, state = 'queued', run_at = now(), carry_over = false,
+               attempts = 0, failures = 0, evaporations = 0, handoffs = 0, transients = 0,
+               checkpoint = null, checkpoint_seq = 0, handoff = null,
+               agent_session = null, agent_session_host = null, agent_session_profile = null,
+               last_error = null, updated_at = now(),
+               lease_token = null, lease_expires_at = null, session_id = null
+         where id = p_task;
+    exception when unique_violation then  -- another call took the key into p_lane meanwhile
+        select h.id, h.lane into v_holder, v_holder_lane
+          from fleet.tasks h where h.key = t.key and h.lane = p_lane;
+        perform fleet._route_key_taken(t, p_lane, v_holder, v_holder_lane);
+    end;
     perform fleet._end_run(p_token, 'routed');
     perform fleet._event('routed', t.lane, p_task, t.session_id,
         jsonb_build_object('from', t.lane, 'to', p_lane, 'note', p_note));
@@ -284,6 +304,24 @@ end
 $$;
 revoke all on function fleet.route(bigint,uuid,text,jsonb) from public;
 grant execute on function fleet.route(bigint,uuid,text,jsonb) to fleet_worker, service_role;
+
+-- LF007: lane p_lane has another task (p_holder, now in lane p_holder_lane) of task t's key. Its id
+-- is named only to a caller that may work the lane it is in now.
+create or replace function fleet._route_key_taken(t fleet.tasks, p_lane text, p_holder bigint, p_holder_lane text)
+returns void
+language plpgsql
+as $$
+begin
+    perform fleet._raise('LF007',
+        format('lane %L already has a task of key %L%s: task %s cannot be routed there', p_lane, left(t.key, 100),
+               case when p_holder is not null and fleet._lane_allowed(p_holder_lane)
+                    then format(' (task %s)', p_holder) else '' end, t.id),
+        'a key names one task in each lane (and a routed task keeps its key in the lanes it left): '
+        'finish this task here, or route it to another lane');
+end
+$$;
+revoke all on function fleet._route_key_taken(fleet.tasks,text,bigint,text) from public;
+grant execute on function fleet._route_key_taken(fleet.tasks,text,bigint,text) to service_role;
 
 create or replace function fleet.block(p_task bigint, p_token uuid, p_reason text, p_evidence text default null)
 returns text
@@ -318,9 +356,14 @@ grant execute on function fleet.block(bigint,uuid,text,text) to fleet_worker, se
 -- (a time the message named), else now() + p_after_seconds (a delay it named, or the profile's
 -- backoff), else 15 minutes from now; never sooner than now() + the floor (the task's run
 -- profile's throttle_floor_seconds, else 60 s), so a reset read in the past or a zero delay cannot
--- make a hot loop. The task goes back to the queue, first of its priority once the reset has come,
--- with its agent session kept, and no failure counted. p_signal: what matched ({"signal", "text",
--- "reset": the reset as read}), kept in the event. Returns the reset.
+-- make a hot loop; and never later than now() + fleet._longest_throttle() (8 days), whichever
+-- argument said so, so that no worker can stop a pool every lane draws from for longer than a
+-- provider's longest window (an operator lifts a throttle sooner: fleet.clear_throttle). The pool
+-- keeps the latest reset it was given, and who gave it (throttled_by: the task, its lane,
+-- session and host, the caller's role and key). The task goes back to the queue, first of its
+-- priority once the reset has come, with its agent session kept, and no failure counted.
+-- p_signal: what matched ({"signal", "text", "reset": the reset as read}), kept in the event.
+-- Returns the reset.
 create or replace function fleet.throttle(p_task bigint, p_token uuid, p_until timestamptz default null,
                                           p_note text default null, p_after_seconds double precision default null,
                                           p_signal jsonb default null)
@@ -332,10 +375,17 @@ as $$
 declare
     t fleet.tasks;
     v_floor double precision;
+    v_longest interval := fleet._longest_throttle();
+    v_asked timestamptz;
+    v_capped boolean;
     v_until timestamptz;
+    v_by jsonb;
+    v_pool_until timestamptz;
 begin
-    if p_after_seconds is not null and (p_after_seconds < 0 or p_after_seconds > 30 * 86400) then
-        perform fleet._raise('LF005', format('a throttle delay must be 0 to 30 days, not %s s', p_after_seconds));
+    -- (a NaN compares greater than every number: it is not a delay)
+    if p_after_seconds is not null and (p_after_seconds < 0 or p_after_seconds = 'NaN'::double precision) then
+        perform fleet._raise('LF005', format('a throttle delay must be 0 seconds or more, not %s s', p_after_seconds),
+            format('a delay past %s is cut to it', v_longest));
     end if;
     if p_signal is not null and jsonb_typeof(p_signal) <> 'object' then
         perform fleet._raise('LF005', format('a throttle signal must be a JSON object, not %s', left(p_signal::text, 200)),
@@ -343,14 +393,28 @@ begin
     end if;
     t := fleet._fenced(p_task, p_token);
     v_floor := coalesce((select pf.throttle_floor_seconds from fleet.profiles pf where pf.name = t.run_profile), 60);
-    v_until := greatest(coalesce(p_until, now() + make_interval(secs => p_after_seconds),
-                                 now() + interval '15 minutes'),
-                        now() + make_interval(secs => v_floor));
+    -- (a delay is cut before it is added: a huge one would overflow the calendar)
+    v_asked := coalesce(p_until,
+                        case when p_after_seconds is not null then now() + make_interval(
+                            secs => least(p_after_seconds, extract(epoch from v_longest)::double precision)) end,
+                        now() + interval '15 minutes');
+    v_capped := coalesce(p_until > now() + v_longest,
+                         p_after_seconds > extract(epoch from v_longest)::double precision, false)
+                or v_floor > extract(epoch from v_longest)::double precision;
+    v_until := least(greatest(v_asked, now() + make_interval(secs => v_floor)), now() + v_longest);
+    v_by := jsonb_strip_nulls(jsonb_build_object(
+                'task', p_task, 'lane', t.lane, 'session', t.session_id,
+                'host', (select s.host from fleet.sessions s where s.id = t.session_id),
+                'profile', t.run_profile, 'at', now()))
+            || fleet._caller();
     if t.pool is not null then
+        -- the pool waits for the latest reset any of its runs was given (lock order: the task,
+        -- then its pool); the note and who set it follow that reset
         update fleet.pools
-           set throttled_until = greatest(coalesce(throttled_until, v_until), v_until),
-               throttle_note = left(p_note, 1000), updated_at = now()
-         where name = t.pool;
+           set throttled_until = v_until, throttle_note = left(p_note, 1000), throttled_by = v_by,
+               updated_at = now()
+         where name = t.pool and (throttled_until is null or throttled_until <= v_until);
+        select throttled_until into v_pool_until from fleet.pools where name = t.pool;
     end if;
     update fleet.tasks
        set state = 'queued', run_at = v_until, carry_over = true, updated_at = now(),
@@ -363,7 +427,14 @@ begin
                                              'until', v_until, 'note', left(p_note, 1000),
                                              'signal', p_signal ->> 'signal',
                                              'text', left(p_signal ->> 'text', 1000),
-                                             'reset_read', p_signal ->> 'reset')));
+                                             'reset_read', p_signal ->> 'reset',
+                                             'pool_until', v_pool_until,
+                                             'host', v_by ->> 'host',
+                                             -- a reset past the longest window: cut to it
+                                             'capped', case when v_capped then true end,
+                                             'asked_until', case when v_capped then p_until end,
+                                             'asked_after_seconds', case when v_capped then p_after_seconds end))
+        || jsonb_build_object('by', fleet._caller()));
     return v_until;
 end
 $$;
@@ -470,11 +541,17 @@ begin
     if p_report is null or jsonb_typeof(p_report) <> 'object' then
         perform fleet._raise('LF005', 'a run report must be a JSON object');
     end if;
+    -- the run's lane (the task may have been routed on since). A token of a lane the caller may
+    -- not work is answered as a token no run holds: a key learns nothing of other lanes' runs
     select task_id, lane into v_task, v_lane from fleet.runs where lease_token = p_token;
-    if not found then
-        perform fleet._raise('LF003', 'no run holds that lease token');
+    if not found or not fleet._lane_allowed(v_lane) then
+        if fleet._allowed_lanes() is null then
+            perform fleet._raise('LF003', 'no run holds that lease token');
+        end if;
+        perform fleet._raise('LF008',
+            'no run of this key''s lanes holds that lease token (an unknown token, or a lane not allowed for this key)',
+            'the key''s fleet_lanes claim lists the lanes it may work; mint one with `fleet keys mint --lane`');
     end if;
-    perform fleet._require_lane(v_lane);  -- the run's lane: the task may have been routed on since
     -- Lock order: the task, then its run, as every transition does (_fenced, cancel, _release lock
     -- the task and then end its run). Taking the run row first deadlocks against them.
     perform 1 from fleet.tasks where id = v_task for no key update;

@@ -1,4 +1,4 @@
--- Operator calls: cancel, retry, resume, reviews, budgets.
+-- Operator calls: cancel, retry, resume, reviews, budgets, lifting a pool's throttle.
 --
 -- The one hand-edited definition of each function and view below. A change here needs a
 -- migration made from it: `uv run python -m worker.dev.sqlsources new <name>` (see README).
@@ -209,3 +209,50 @@ end
 $$;
 revoke all on function fleet.set_task_budget(bigint,numeric,bigint) from public;
 grant execute on function fleet.set_task_budget(bigint,numeric,bigint) to fleet_operator, service_role;
+
+-- An operator lifts a pool's throttle (fleet.throttle) before its reset: the pool takes claims
+-- again at once, and the tasks that wait for its reset (queued, their last run throttled on this
+-- pool) are ready now. A pool is shared by lanes, so this is a fleet-wide call: a key limited to
+-- some lanes is refused (LF008). Journaled (throttle_cleared: the reset it had, who set it, how
+-- many tasks were released, who cleared it) when it changed something. Returns {"pool",
+-- "was_until", "note", "set_by", "tasks"} (was_until null: the pool was not throttled).
+create or replace function fleet.clear_throttle(p_pool text)
+returns jsonb
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    p fleet.pools;
+    v_tasks int;
+    v_out jsonb;
+begin
+    perform fleet._require_lane(null);
+    if not exists (select 1 from fleet.pools where name = p_pool) then
+        perform fleet._raise('LF005', format('unknown pool %L', left(p_pool, 100)),
+            'known pools: ' || coalesce((select string_agg(name, ', ' order by name) from fleet.pools), 'none'));
+    end if;
+    -- lock order: tasks, then their pool (as fleet.throttle: the task, then its pool)
+    with waiting as (
+        update fleet.tasks t
+           set run_at = now(), updated_at = now()
+         where t.state = 'queued' and t.pool = p_pool and t.run_at > now()
+           and (select r.outcome from fleet.runs r where r.task_id = t.id order by r.id desc limit 1) = 'throttled'
+        returning t.id
+    )
+    select count(*) into v_tasks from waiting;
+    select * into p from fleet.pools where name = p_pool for no key update;
+    update fleet.pools
+       set throttled_until = null, throttle_note = null, throttled_by = null, updated_at = now()
+     where name = p_pool and (throttled_until is not null or throttle_note is not null or throttled_by is not null);
+    v_out := jsonb_build_object('pool', p_pool,
+                                'was_until', case when p.throttled_until > now() then p.throttled_until end,
+                                'note', p.throttle_note, 'set_by', p.throttled_by, 'tasks', v_tasks);
+    if p.throttled_until > now() or v_tasks > 0 then
+        perform fleet._event('throttle_cleared', null, null, null, v_out || jsonb_build_object('by', fleet._caller()));
+    end if;
+    return v_out;
+end
+$$;
+revoke all on function fleet.clear_throttle(text) from public;
+grant execute on function fleet.clear_throttle(text) to fleet_operator, service_role;

@@ -3,9 +3,10 @@
 -- The one hand-edited definition of each function and view below. A change here needs a
 -- migration made from it: `uv run python -m worker.dev.sqlsources new <name>` (see README).
 
--- Members must be queued ordinary tasks of the lane, 1 to p_max of them, run in the order given.
--- They wait as `batched`; the carrier is queued at the members' highest priority. Returns the
--- batch id. p_profile (a fleet.profiles name) is what every member and recovery dispatches with.
+-- Members must be queued ordinary tasks of the lane, named by their keys in the lane (keys are per
+-- lane), 1 to p_max of them, run in the order given. They wait as `batched`; the carrier (key
+-- batch:<id> in the lane) is queued at the members' highest priority. Returns the batch id.
+-- p_profile (a fleet.profiles name) is what every member and recovery dispatches with.
 create or replace function fleet.batch_create(p_lane text, p_keys text[], p_max int default 4,
                                               p_profile text default null)
 returns bigint
@@ -21,6 +22,7 @@ declare
     v_n int := 0;
     t fleet.tasks;
     v_priority int;
+    v_created boolean;
 begin
     perform fleet._require_lane(p_lane);
     l := fleet._lane(p_lane);
@@ -38,34 +40,39 @@ begin
         perform fleet._raise('LF005', 'a task can be a member of a batch only once');
     end if;
     if p_profile is not null and not exists (select 1 from fleet.profiles where name = p_profile) then
-        perform fleet._raise('LF005', format('unknown profile %L', p_profile),
-            'known profiles: ' || coalesce((select string_agg(name, ', ' order by name) from fleet.profiles), 'none'));
+        perform fleet._raise('LF005', format('unknown profile %L', left(p_profile, 100)), fleet._profiles_hint(p_lane));
     end if;
     -- lock the members in id order (as every bulk call does), then check each
-    perform 1 from fleet.tasks where key = any (p_keys) order by id for no key update;
+    perform 1 from fleet.tasks where key = any (p_keys) and lane = p_lane order by id for no key update;
     foreach v_key in array p_keys loop
-        select * into t from fleet.tasks where key = v_key;
+        select * into t from fleet.tasks where key = v_key and lane = p_lane;
         if not found then
-            perform fleet._raise('LF003', format('unknown task %L', v_key));
+            perform fleet._raise('LF003', format('unknown task %L in lane %s', left(v_key, 100), p_lane),
+                'a batch takes queued tasks of its lane, named by their keys in it');
         end if;
-        if t.lane <> p_lane or t.state <> 'queued' or t.kind <> 'task' then
+        if t.state <> 'queued' or t.kind <> 'task' then
             perform fleet._raise('LF004',
                 format('task %L is %s in lane %s: a batch takes queued tasks of lane %s', v_key,
                        case when t.kind = 'batch' then 'a batch carrier' else t.state end, t.lane, p_lane));
         end if;
     end loop;
-    select max(priority) into v_priority from fleet.tasks where key = any (p_keys);
+    select max(priority) into v_priority from fleet.tasks where key = any (p_keys) and lane = p_lane;
 
     insert into fleet.batches (lane, profile) values (p_lane, p_profile) returning id into v_batch;
-    select e.task_id into v_carrier
+    select e.task_id, e.created into v_carrier, v_created
       from fleet.enqueue_task(p_lane, 'batch:' || v_batch, jsonb_build_object('batch', v_batch), v_priority,
                               now(), null, format('batch %s (%s members)', v_batch, cardinality(p_keys)),
                               null, p_profile) e;
+    if not v_created then  -- a task of the lane took the carrier's key: never turn it into a carrier
+        perform fleet._raise('LF004', format('lane %s already has a task of key %L, the key of batch %s''s carrier',
+                                             p_lane, 'batch:' || v_batch, v_batch),
+            'keys batch:<n> are the carriers'': cancel that task and enqueue it under another key, then make the batch again');
+    end if;
     update fleet.tasks set kind = 'batch', batch_id = v_batch where id = v_carrier;
     update fleet.batches set task_id = v_carrier where id = v_batch;
     foreach v_key in array p_keys loop
         v_n := v_n + 1;
-        select * into t from fleet.tasks where key = v_key;
+        select * into t from fleet.tasks where key = v_key and lane = p_lane;
         insert into fleet.batch_members (batch_id, n, task_id) values (v_batch, v_n, t.id);
         update fleet.tasks set state = 'batched', batch_id = v_batch, updated_at = now() where id = t.id;
         perform fleet._event('batched', p_lane, t.id, null, jsonb_build_object('batch', v_batch, 'n', v_n));

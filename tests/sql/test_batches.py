@@ -13,6 +13,7 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 from sqlkit import (
+    as_key,
     call,
     enqueue,
     member_usage,
@@ -22,6 +23,10 @@ from sqlkit import (
     sync_lane,
     take_lease,
 )
+
+
+def task_state(conn: psycopg.Connection, task_id: int) -> str:
+    return str(one(conn, "select state from fleet.tasks where id = %s", (task_id,)))
 
 
 def one_member_batch(conn: psycopg.Connection, keys: list[str]) -> tuple[int, Any, int]:
@@ -163,3 +168,52 @@ def test_a_member_whose_task_spent_its_budget_leaves_the_batch_at_its_start(conn
     assert t["last_error"] == "blocked in batch 1 (budget): spent 500 tokens of the task's 100 budget ($0.0000)"
     # the batch goes on with its next member
     assert call(conn, "batch_member_start", carrier, ctok, 2, "b2", "/w2", "c0") == "running"
+
+
+# ------------------------------------------------------------------------------------------------
+# a batch names its members by their keys in its lane
+
+
+def test_a_batch_takes_the_keys_of_its_own_lane(conn: psycopg.Connection) -> None:
+    sync_lane(conn, "code")
+    sync_lane(conn, "docs")
+    mine = {k: enqueue(conn, "code", k) for k in ("m1", "m2")}
+    theirs = {k: enqueue(conn, "docs", k) for k in ("m1", "m2", "only-docs")}
+    batch = call(conn, "batch_create", "code", ["m2", "m1"], 4, None)
+    members = rows(conn, "select n, task_id from fleet.batch_members where batch_id = %s order by n", (batch,))
+    assert [m["task_id"] for m in members] == [mine["m2"], mine["m1"]]
+    assert one(conn, "select array_agg(state order by id) from fleet.tasks where lane = 'docs'") == ["queued"] * 3
+    assert one(conn, "select array_agg(key) from fleet.tasks where lane = 'code' and kind = 'batch'") == [
+        f"batch:{batch}"]
+    # a key only another lane has is no member of this one
+    with pytest.raises(psycopg.Error) as err:
+        call(conn, "batch_create", "code", ["only-docs"], 4, None)
+    assert err.value.sqlstate == "LF003"
+    assert "unknown task 'only-docs' in lane code" in str(err.value)
+    assert task_state(conn, theirs["only-docs"]) == "queued"
+
+
+def test_a_task_holding_the_carriers_key_is_never_made_a_carrier(conn: psycopg.Connection) -> None:
+    sync_lane(conn, "code")
+    member = enqueue(conn, "code", "m1")
+    next_batch = one(conn, "select coalesce(max(id), 0) + 1 from fleet.batches")
+    squatter = enqueue(conn, "code", f"batch:{next_batch}")
+    with pytest.raises(psycopg.Error) as err:
+        call(conn, "batch_create", "code", ["m1"], 4, None)
+    assert err.value.sqlstate == "LF004" and f"already has a task of key 'batch:{next_batch}'" in str(err.value)
+    assert (task_state(conn, member), task_state(conn, squatter)) == ("queued", "queued")
+    assert one(conn, "select kind from fleet.tasks where id = %s", (squatter,)) == "task"
+    assert one(conn, "select count(*) from fleet.batches") == 0
+
+
+def test_an_unknown_batch_profile_names_only_what_the_key_may_see(conn: psycopg.Connection) -> None:
+    conn.execute("select fleet.sync_pool('p', null)")
+    for name in ("code-prof", "secret-prof"):
+        conn.execute("select fleet.sync_profile(%s, 'p', '{}')", (name,))
+    sync_lane(conn, "code", config={"profile": "code-prof"})
+    enqueue(conn, "code", "m1")
+    with as_key(conn, "fleet_operator", {"role": "fleet_operator", "fleet_lanes": ["code"]}), \
+            pytest.raises(psycopg.Error) as err:
+        call(conn, "batch_create", "code", ["m1"], 4, "nope")
+    assert err.value.sqlstate == "LF005" and "unknown profile 'nope'" in str(err.value)
+    assert err.value.diag.message_hint == "the profiles of lane code: code-prof"

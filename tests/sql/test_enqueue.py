@@ -1,7 +1,8 @@
 """The enqueue group (migrations/sources/04_enqueue.sql): fleet.enqueue_task, fleet.enqueue,
 fleet.enqueue_after and fleet.enqueue_many, called over psycopg against a real, freshly migrated
-PostgreSQL: what a new task holds, idempotence on the key, every refusal (and that it writes
-nothing), and concurrent enqueues of one key.
+PostgreSQL: what a new task holds, idempotence on the key in its lane (keys are per lane, and a
+routed task keeps its key in the lanes it left), every refusal (and that it writes nothing, and
+names nothing a restricted key may not see), the payload cap, and concurrent enqueues of one key.
 
 The bulk call must keep every guarantee of its single-task sibling, so most enqueue_many tests
 compare it with what enqueue_task does to a twin task.
@@ -16,9 +17,12 @@ import pytest
 from psycopg.types.json import Jsonb
 from sqlkit import (
     INVALID_ARGUMENT,
+    LANE_NOT_ALLOWED,
     UNKNOWN_LANE,
     add_lane,
+    as_key,
     claim,
+    claim_one,
     count,
     enqueue,
     enqueue_many,
@@ -29,6 +33,7 @@ from sqlkit import (
     open_session,
     race,
     refused,
+    route,
     rows,
     task,
     world,
@@ -148,13 +153,90 @@ def test_enqueue_invalid_argument_for_an_existing_key_changes_nothing(conn, lane
     assert task(conn, task_id)["payload"] == {"v": 1}
 
 
-def test_enqueue_of_an_existing_key_in_another_lane_returns_the_existing_task(conn, lane):
-    # pinned as it is: the key is global, so the second lane's enqueue is a silent no-op
+# ------------------------------------------------------------------------------------------------
+# keys are per lane
+
+
+def test_the_same_key_in_two_lanes_is_two_tasks(conn, lane):
     add_lane(conn, "b")
-    task_id = enqueue(conn, lane, "issue:9")
-    again, created = enqueue_task(conn, "b", "issue:9")
-    assert (again, created) == (task_id, False)
-    assert task(conn, task_id)["lane"] == "a"
+    in_a = enqueue(conn, lane, "issue:9", {"for": "a"})
+    in_b, created = enqueue_task(conn, "b", "issue:9", {"for": "b"})
+    assert created is True and in_b != in_a
+    assert (task(conn, in_a)["lane"], task(conn, in_a)["payload"]) == ("a", {"for": "a"})
+    assert (task(conn, in_b)["lane"], task(conn, in_b)["payload"]) == ("b", {"for": "b"})
+    assert kinds(conn, in_b) == ["enqueued"]
+    # each is idempotent in its own lane
+    assert enqueue_task(conn, lane, "issue:9") == (in_a, False)
+    assert enqueue_task(conn, "b", "issue:9") == (in_b, False)
+    assert one(conn, "select fleet.enqueue('b', 'issue:9')") == in_b
+    assert one(conn, "select task_id from fleet.enqueue_after(5, 'a', 'issue:9')") == in_a
+    # and the bulk call takes the lane of each element the same way
+    add_lane(conn, "c")
+    got = enqueue_many(conn, "a", [{"key": "issue:9"}, {"key": "issue:9", "lane": "b"},
+                                   {"key": "issue:9", "lane": "c"}, {"key": "issue:9", "lane": "c"}])
+    assert [(r["id"], r["created"]) for r in got[:2]] == [(in_a, False), (in_b, False)]
+    assert got[2]["created"] is True and got[3] == got[2] | {"idx": 3, "created": False}
+    assert task(conn, got[2]["id"])["lane"] == "c"
+    assert count(conn, "tasks") == 3
+
+
+def test_a_routed_task_keeps_its_key_in_the_lane_it_left(conn, lane, session):
+    """An enqueue of the key into the lane it came from answers with the task, wherever it went:
+    the producer that re-enqueues its work makes no duplicate once the work moved on."""
+    add_lane(conn, "b")
+    task_id = enqueue(conn, lane, "issue:7")
+    t = claim_one(conn, session)
+    assert route(conn, task_id, t["lease_token"], "b") == "queued"
+    before = world(conn)
+    assert enqueue_task(conn, lane, "issue:7") == (task_id, False)
+    assert enqueue_task(conn, "b", "issue:7") == (task_id, False)
+    got = enqueue_many(conn, "a", [{"key": "issue:7"}, {"key": "issue:7", "lane": "b"}])
+    assert [(r["id"], r["created"]) for r in got] == [(task_id, False), (task_id, False)]
+    assert world(conn) == before
+    # a lane it never was in has a key of its own
+    add_lane(conn, "c")
+    other, created = enqueue_task(conn, "c", "issue:7")
+    assert created and other != task_id
+
+
+def test_a_key_whose_task_moved_on_to_a_lane_the_key_may_not_see_is_refused_without_naming_it(conn, lane, session):
+    add_lane(conn, "secret")
+    task_id = enqueue(conn, lane, "issue:5")
+    route(conn, task_id, claim_one(conn, session)["lease_token"], "secret")
+    before = world(conn)
+    a_worker = {"role": "fleet_worker", "fleet_lanes": ["a"]}
+    for call in (lambda: enqueue_task(conn, lane, "issue:5"),
+                 lambda: enqueue_many(conn, lane, [{"key": "fresh"}, {"key": "issue:5"}])):
+        with as_key(conn, "fleet_worker", a_worker), refused(LANE_NOT_ALLOWED) as err:
+            call()
+        text = f"{err.value.diag.message_primary} {err.value.diag.message_hint}"
+        assert "moved on to a lane not allowed for this key" in text and "secret" not in text, text
+        assert f"task {task_id}" not in text and f"({task_id})" not in text, text
+    with as_key(conn, "fleet_worker", a_worker), refused(LANE_NOT_ALLOWED) as err:
+        enqueue_many(conn, lane, [{"key": "fresh"}, {"key": "issue:5"}])
+    assert str(err.value.diag.message_primary).startswith("p_tasks[1] (key 'issue:5'): ")
+    assert world(conn) == before
+    # a key that may see where it went gets the task
+    with as_key(conn, "fleet_worker", {"role": "fleet_worker", "fleet_lanes": ["a", "secret"]}):
+        assert enqueue_task(conn, lane, "issue:5") == (task_id, False)
+
+
+def test_concurrent_enqueues_of_one_key_into_two_lanes_make_one_task_each(db_url: str) -> None:
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("insert into fleet.lanes (name) values ('a'), ('b')")
+
+    def work(c: psycopg.Connection, i: int) -> tuple[int, bool]:
+        row = c.execute("select task_id, created from fleet.enqueue_task(%s, 'same-key')",
+                        ("ab"[i % 2],)).fetchone()
+        assert row is not None
+        return row[0], row[1]
+
+    results = race(db_url, 8, work)
+    assert all(isinstance(r, tuple) for r in results), results
+    assert len({r[0] for r in results[0::2]}) == 1 and len({r[0] for r in results[1::2]}) == 1
+    assert sorted(r[1] for r in results) == [False] * 6 + [True] * 2
+    with psycopg.connect(db_url, autocommit=True) as c:
+        assert c.execute("select array_agg(lane order by lane) from fleet.tasks").fetchone() == (["a", "b"],)
 
 
 def test_concurrent_enqueue_of_one_key_creates_one_task(db_url: str) -> None:
@@ -266,13 +348,17 @@ def test_enqueue_many_takes_a_tier_a_profile_and_a_budget(lanes: psycopg.Connect
 
 
 def test_an_existing_key_keeps_its_task(lanes: psycopg.Connection) -> None:
-    """As enqueue_task: the key's task is returned whatever lane or fields it is given now."""
+    """As enqueue_task: the key's task in the lane is returned whatever fields it is given now;
+    the same key in another lane is another task."""
     conn = lanes
     tid, _ = enqueue_task(conn, "bugfix", "shared", {"v": 1}, 3)
-    [got] = enqueue_many(conn, "docs", [{"key": "shared", "payload": {"v": 2}, "priority": 7}])
+    [got] = enqueue_many(conn, "bugfix", [{"key": "shared", "payload": {"v": 2}, "priority": 7}])
     assert (got["id"], got["created"]) == (tid, False)
     t = task(conn, tid)
     assert (t["lane"], t["payload"], t["priority"]) == ("bugfix", {"v": 1}, 3)
+    [other] = enqueue_many(conn, "docs", [{"key": "shared", "payload": {"v": 2}, "priority": 7}])
+    assert other["created"] is True and other["id"] != tid
+    assert (task(conn, other["id"])["lane"], task(conn, other["id"])["payload"]) == ("docs", {"v": 2})
 
 
 BAD = [
@@ -346,3 +432,95 @@ def test_enqueue_many_takes_an_array(lanes: psycopg.Connection, tasks: Any) -> N
     assert "JSON array" in str(err.value)
     assert enqueue_many(lanes, "docs", []) == []
     assert count(lanes, "tasks") == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# the payload cap: the lane's max_payload_bytes (1 MiB by default), on every way in
+
+MIB = 1048576
+
+
+def payload_of(size: int) -> dict[str, str]:
+    """A payload whose JSON text (as jsonb prints it) is exactly ``size`` bytes."""
+    return {"blob": "x" * (size - len('{"blob": ""}'))}
+
+
+def test_a_payload_over_the_lanes_cap_is_refused_naming_its_size_and_the_cap(conn, lane):
+    assert one(conn, "select octet_length(%s::jsonb::text)", (Jsonb(payload_of(MIB)),)) == MIB
+    at_cap = enqueue(conn, lane, "at-cap", payload_of(MIB))
+    assert len(task(conn, at_cap)["payload"]["blob"]) == MIB - 12
+    before = world(conn)
+    calls = {
+        "enqueue_task": lambda: enqueue_task(conn, lane, "over", payload_of(MIB + 1)),
+        "enqueue": lambda: conn.execute("select fleet.enqueue('a', 'over', %s)", (Jsonb(payload_of(MIB + 1)),)),
+        "enqueue_after": lambda: conn.execute("select * from fleet.enqueue_after(5, 'a', 'over', %s)",
+                                              (Jsonb(payload_of(MIB + 1)),)),
+        "enqueue_many": lambda: enqueue_many(conn, lane, [{"key": "fine"}, {"key": "over", "payload": payload_of(MIB + 1)}]),
+        # an existing key with a payload too large is refused as any bad argument is
+        "existing key": lambda: enqueue_task(conn, lane, "at-cap", payload_of(2 * MIB)),
+    }
+    for name, call in calls.items():
+        with refused(INVALID_ARGUMENT) as err:
+            call()
+        text = str(err.value.diag.message_primary)
+        size = 2 * MIB if name == "existing key" else MIB + 1
+        assert f"payload is {size} bytes, more than lane a's max_payload_bytes of {MIB}" in text, (name, text)
+        assert "max_payload_bytes in fleet.toml" in str(err.value.diag.message_hint), name
+    with refused(INVALID_ARGUMENT) as err:
+        enqueue_many(conn, lane, [{"key": "fine"}, {"key": "over", "payload": payload_of(MIB + 1)}])
+    assert str(err.value.diag.message_primary).startswith("p_tasks[1] (key 'over'): payload is")
+    assert world(conn) == before
+
+
+def test_the_payload_cap_is_the_lanes_setting(conn):
+    add_lane(conn, "small", config={"max_payload_bytes": 100})
+    add_lane(conn, "large", config={"max_payload_bytes": 4 * MIB})
+    enqueue(conn, "small", "fits", payload_of(100))
+    with refused(INVALID_ARGUMENT) as err:
+        enqueue_task(conn, "small", "big", payload_of(101))
+    assert "payload is 101 bytes, more than lane small's max_payload_bytes of 100" in str(err.value)
+    with refused(INVALID_ARGUMENT):  # each element by its own lane's cap
+        enqueue_many(conn, "large", [{"key": "big", "payload": payload_of(2 * MIB)},
+                                     {"key": "big", "lane": "small", "payload": payload_of(101)}])
+    got = enqueue_many(conn, "large", [{"key": "big", "payload": payload_of(2 * MIB)},
+                                       {"key": "big", "lane": "small", "payload": payload_of(100)}])
+    assert [r["created"] for r in got] == [True, True]
+    assert enqueue_task(conn, "large", "bigger", payload_of(4 * MIB))[1] is True
+
+
+# ------------------------------------------------------------------------------------------------
+# an unknown profile names only the profiles the caller may know of
+
+
+def _profiles(conn: psycopg.Connection) -> None:
+    for name in ("pool-a", "pool-secret"):
+        conn.execute("select fleet.sync_pool(%s, null)", (name,))
+    for name, pool in (("mine", "pool-a"), ("spill", "pool-a"), ("secret-opus", "pool-secret")):
+        conn.execute("select fleet.sync_profile(%s, %s, '{}')", (name, pool))
+    add_lane(conn, "docs", config={"profile": "mine", "dispatch": [{"pool": "pool-a", "profile": "mine"},
+                                                                   {"pool": "pool-a", "profile": "spill"}]})
+    add_lane(conn, "bugfix", config={"profile": "secret-opus"})
+
+
+def test_an_unknown_profile_is_named_with_the_profiles_the_caller_may_see(conn):
+    _profiles(conn)
+    docs = {"role": "fleet_worker", "fleet_lanes": ["docs"]}
+    calls = [lambda: conn.execute("select * from fleet.enqueue_task('docs', 'k', '{}', 0, now(), null, null, null, 'nope')"),
+             lambda: enqueue_many(conn, "docs", [{"key": "k", "profile": "nope"}])]
+    for call in calls:
+        with as_key(conn, "fleet_worker", docs), refused(INVALID_ARGUMENT) as err:
+            call()
+        assert "unknown profile 'nope'" in str(err.value.diag.message_primary)
+        hint = str(err.value.diag.message_hint)
+        assert hint == "the profiles of lane docs: mine, spill", hint
+        # a caller that works every lane is told every profile
+        with refused(INVALID_ARGUMENT) as err:
+            call()
+        assert "known profiles: mine, secret-opus, spill" in str(err.value.diag.message_hint)
+    # a lane with no profiles of its own names none
+    add_lane(conn, "plain")
+    with as_key(conn, "fleet_worker", {"role": "fleet_worker", "fleet_lanes": ["plain"]}), \
+            refused(INVALID_ARGUMENT) as err:
+        enqueue_many(conn, "plain", [{"key": "k", "profile": "secret"}])
+    assert "secret-opus" not in str(err.value) and "mine" not in str(err.value), str(err.value)
+    assert count(conn, "tasks") == 0

@@ -1,6 +1,8 @@
 """The finish group (migrations/sources/08_finish.sql): how a run ends — fleet.complete,
-fleet.complete_many, fleet.fail, fleet.hand_off, fleet.route, fleet.transient, fleet.drop_session,
-fleet.throttle's floor and signal — and its run record, fleet.record_run; called over psycopg
+fleet.complete_many, fleet.fail, fleet.hand_off, fleet.route (and a target lane that has the
+task's key), fleet.transient, fleet.drop_session, fleet.throttle's floor, signal, bound and who
+set it — and its run record, fleet.record_run (the same answer to a made-up token and to another
+lane's); called over psycopg
 against a real, freshly migrated PostgreSQL. Every transition, every refusal, the events row each
 transition writes, and the races a finishing call must win or lose cleanly. (fleet.block and
 fleet.throttle are also exercised through real shifts: tests/test_dispatch.py,
@@ -9,6 +11,7 @@ tests/test_guardrails.py; the fence of these calls: tests/sql/test_lease.py.)
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from datetime import datetime, timedelta
@@ -19,11 +22,14 @@ import pytest
 from psycopg.types.json import Jsonb
 from sqlkit import (
     INVALID_ARGUMENT,
+    LANE_NOT_ALLOWED,
     LEASE_LOST,
     ROUTE_REFUSED,
     UNKNOWN_LANE,
     UNKNOWN_TASK,
+    Call,
     add_lane,
+    as_key,
     checkpoint,
     claim,
     claim_one,
@@ -31,6 +37,7 @@ from sqlkit import (
     complete_many,
     drop_session,
     enqueue,
+    enqueue_task,
     fail,
     hand_off,
     kinds,
@@ -52,6 +59,9 @@ from sqlkit import (
     wait_until_waiting,
     world,
 )
+
+from worker.config import LONGEST_THROTTLE_SECONDS
+from worker.shift.limits import LONGEST_RESET
 
 # ------------------------------------------------------------------------------------------------
 # complete
@@ -580,6 +590,74 @@ TOKENS = {
 }
 
 
+def test_route_into_a_lane_that_has_the_key_is_refused_and_changes_nothing(conn, lane, session):
+    """Keys are per lane: the target lane's own task of that key stays the only one there."""
+    add_lane(conn, "review")
+    theirs = enqueue(conn, "review", "issue:3")
+    task_id = enqueue(conn, lane, "issue:3")
+    t = claim_one(conn, session)
+    before = world(conn)
+    with refused(ROUTE_REFUSED) as err:
+        route(conn, task_id, t["lease_token"], "review")
+    assert str(err.value.diag.message_primary) == (
+        f"lane 'review' already has a task of key 'issue:3' (task {theirs}): task {task_id} cannot be routed there")
+    assert "a key names one task in each lane" in str(err.value.diag.message_hint)
+    assert world(conn) == before  # still running, its lease held
+    # and the task completes where it is
+    assert complete(conn, task_id, t["lease_token"]) == "done"
+
+
+def test_route_into_a_lane_the_keys_task_left_is_refused(conn, lane, session):
+    """A task keeps its key in the lanes it left: another task of the key is not routed in there."""
+    add_lane(conn, "review")
+    add_lane(conn, "c")
+    first = enqueue(conn, "review", "issue:8")
+    route(conn, first, claim_one(conn, open_session(conn, "review"))["lease_token"], "c")
+    second = enqueue(conn, lane, "issue:8")
+    t = claim_one(conn, session)
+    assert t["id"] == second
+    with as_key(conn, "fleet_worker", {"role": "fleet_worker", "fleet_lanes": ["a", "review"]}), \
+            refused(ROUTE_REFUSED) as err:
+        route(conn, second, t["lease_token"], "review")
+    text = str(err.value.diag.message_primary)
+    assert text == f"lane 'review' already has a task of key 'issue:8': task {second} cannot be routed there", text
+    with refused(ROUTE_REFUSED) as err:  # a key for every lane is told which task
+        route(conn, second, t["lease_token"], "review")
+    assert f"(task {first})" in str(err.value)
+    assert task(conn, second)["state"] == "running"
+
+
+def test_a_task_routed_back_to_a_lane_it_was_in_keeps_its_key_there(conn, lane, session):
+    add_lane(conn, "review")
+    task_id = enqueue(conn, lane, "issue:2")
+    route(conn, task_id, claim_one(conn, session)["lease_token"], "review")
+    t = claim_one(conn, open_session(conn, "review"))
+    assert route(conn, task_id, t["lease_token"], "a") == "queued"
+    assert task(conn, task_id)["lane"] == "a"
+    assert enqueue_task(conn, "review", "issue:2") == (task_id, False)
+
+
+def test_a_route_racing_an_enqueue_of_its_key_into_the_target_lane_is_refused(conn, lane, session, connect):
+    """The enqueue commits while the route waits on the key's index entry: the route is refused (its
+    unique violation is read as the refusal), never a raw error, never two tasks of the key."""
+    add_lane(conn, "review")
+    task_id = enqueue(conn, lane, "issue:6")
+    t = claim_one(conn, session)
+    producer = connect(autocommit=False)
+    theirs = producer.execute("select task_id from fleet.enqueue_task('review', 'issue:6')").fetchone()[0]
+    watch = connect()
+    router = Call(connect(), lambda c: route(c, task_id, t["lease_token"], "review"))
+    router.start()
+    wait_until_waiting(watch, router.conn.info.backend_pid)
+    producer.commit()
+    with pytest.raises(psycopg.Error) as err:
+        router.outcome()
+    assert err.value.sqlstate == ROUTE_REFUSED, err.value
+    assert f"(task {theirs})" in str(err.value)
+    assert task(conn, task_id)["lane"] == "a" and task(conn, task_id)["state"] == "running"
+    assert one(conn, "select count(*) from fleet.tasks where key = 'issue:6' and lane = 'review'") == 1
+
+
 def test_record_run_records_tokens_and_cost(conn, lane, session):
     task_id = enqueue(conn, lane, "k")
     t = claim_one(conn, session)
@@ -670,6 +748,34 @@ def test_record_run_refusals(conn, lane, session):
         with refused(INVALID_ARGUMENT):
             record_run(conn, t["lease_token"], bad)
     assert world(conn) == before
+
+
+def test_record_run_answers_another_lanes_token_as_a_made_up_one(conn, lane, session):
+    """A key of lane a learns nothing from record_run about lane b's runs: a real token of b and a
+    token nobody holds get the same answer (code, message, hint), and neither is recorded."""
+    add_lane(conn, "b")
+    enqueue(conn, "b", "theirs")
+    theirs = claim_one(conn, open_session(conn, "b"))["lease_token"]
+    enqueue(conn, lane, "mine")
+    mine = claim_one(conn, session)["lease_token"]
+    before = world(conn)
+    a_key = {"role": "fleet_worker", "fleet_lanes": ["a"]}
+    answers = []
+    for token in (theirs, uuid.uuid4(), None):
+        with as_key(conn, "fleet_worker", a_key), refused(LANE_NOT_ALLOWED) as err:
+            record_run(conn, token, {"input_tokens": 1})
+        d = err.value.diag
+        answers.append((err.value.sqlstate, d.message_primary, d.message_detail, d.message_hint))
+    assert answers[0] == answers[1] == answers[2], answers
+    assert "'b'" not in answers[0][1] and "not allowed for this key" in answers[0][1]
+    assert world(conn) == before
+    with as_key(conn, "fleet_worker", a_key):
+        record_run(conn, mine, {"input_tokens": 1})  # its own: recorded
+    # a key of every lane: the real token is recorded, a made-up one is unknown
+    with refused(UNKNOWN_TASK):
+        record_run(conn, uuid.uuid4(), {"input_tokens": 1})
+    record_run(conn, theirs, {"input_tokens": 2})
+    assert one(conn, "select input_tokens from fleet.runs where lease_token = %s", (theirs,)) == 2
 
 
 @pytest.mark.parametrize(
@@ -1114,6 +1220,106 @@ def test_sync_profile_keeps_the_throttle_floor(conn):
         with refused(INVALID_ARGUMENT):
             one(conn, "select fleet.sync_profile('prof', 'pool', '{}', %s)", (bad,))
     assert one(conn, "select throttle_floor_seconds from fleet.profiles") == 120
+
+
+@pytest.mark.parametrize("asked", [
+    {"until": "9999-12-31T00:00:00Z"},
+    {"until": "infinity"},
+    {"until": "now() + 9 days"},
+    {"after_seconds": 9 * 86400},
+    {"after_seconds": 1e300},
+    {"after_seconds": float("inf")},
+], ids=["9999", "infinity", "9 days", "9 days later", "1e300 s", "inf s"])
+def test_a_workers_throttle_pauses_its_pool_at_most_the_longest_window(conn, asked: dict[str, Any]):
+    """Whichever argument asks for longer, the pool (every lane drawing from it) and the task wait
+    at most fleet._longest_throttle(); the event says it was cut, and what was asked."""
+    lane = _profile_lane(conn)
+    task_id = enqueue(conn, lane, "k")
+    t = claim_one(conn, open_session(conn, lane))
+    until_arg = asked.get("until")
+    if until_arg == "now() + 9 days":
+        until_arg = one(conn, "select now() + interval '9 days'")
+    until = throttle(conn, task_id, t["lease_token"], until=until_arg, note="limit",
+                     after_seconds=asked.get("after_seconds"))
+    assert _throttle_delay(conn, task_id) == 8 * 86400
+    assert one(conn, "select throttled_until from fleet.pools where name = 'pool'") == until
+    detail = last_event(conn, task_id)["detail"]
+    assert detail["capped"] is True and detail["until"] and detail["pool_until"]
+    assert ("asked_until" in detail) == ("until" in asked)
+    # a reset within the window is as said, and not marked cut
+    conn.execute("update fleet.pools set throttled_until = null")
+    _ready(conn)
+    t = claim_one(conn, open_session(conn, lane))
+    throttle(conn, task_id, t["lease_token"], after_seconds=7 * 86400)
+    assert _throttle_delay(conn, task_id) == 7 * 86400
+    assert "capped" not in last_event(conn, task_id)["detail"]
+
+
+def test_the_longest_throttle_is_the_workers_longest_believed_reset() -> None:
+    assert LONGEST_THROTTLE_SECONDS == LONGEST_RESET.total_seconds() == 8 * 86400
+
+
+def test_the_longest_throttle_is_one_constant_in_the_database(conn):
+    assert one(conn, "select extract(epoch from fleet._longest_throttle())") == LONGEST_THROTTLE_SECONDS
+
+
+@pytest.mark.parametrize("after", [-1, float("nan")])
+def test_throttle_refuses_a_negative_delay_and_changes_nothing(conn, lane, session, after: float):
+    enqueue(conn, lane, "k")
+    t = claim_one(conn, session)
+    before = world(conn)
+    with refused(INVALID_ARGUMENT):
+        throttle(conn, t["id"], t["lease_token"], after_seconds=after)
+    assert world(conn) == before
+
+
+def test_a_pools_throttle_records_who_set_it(conn):
+    """The pool keeps who gave it the reset it waits for: the task, its lane, session, host and
+    profile, and the caller's role and key; a shorter pause from another run leaves them."""
+    lane = _profile_lane(conn)
+    one(conn, "select fleet.sync_lane('q', %s)", (Jsonb({"config": {"profile": "prof"}}),))
+    first = enqueue(conn, lane, "k1")
+    second = enqueue(conn, "q", "k2")
+    s1, s2 = open_session(conn, lane, host="host-a"), open_session(conn, "q", host="host-b")
+    t1, t2 = claim_one(conn, s1), claim_one(conn, s2)
+    assert (t1["pool"], t2["pool"]) == ("pool", "pool")
+    key = {"role": "fleet_worker", "fleet_lanes": ["p"], "sub": "lanefleet:worker:abc"}
+    with conn.transaction():  # as PostgREST makes the call (the settings end with it)
+        conn.execute("select set_config('role', 'fleet_worker', true)")
+        conn.execute("select set_config('request.jwt.claims', %s, true)", (json.dumps(key),))
+        until = throttle(conn, first, t1["lease_token"], after_seconds=3600, note="weekly limit")
+    pool = rows(conn, "select * from fleet.pools where name = 'pool'")[0]
+    assert pool["throttled_until"] == until and pool["throttle_note"] == "weekly limit"
+    by = pool["throttled_by"]
+    assert {k: by[k] for k in ("task", "lane", "session", "host", "profile", "role", "key")} == {
+        "task": first, "lane": "p", "session": str(s1), "host": "host-a", "profile": "prof",
+        "role": "fleet_worker", "key": "lanefleet:worker:abc"}
+    assert by["at"]
+    detail = last_event(conn, first)["detail"]
+    assert detail["host"] == "host-a" and detail["pool_until"]
+    assert detail["by"] == {"role": "fleet_worker", "key": "lanefleet:worker:abc"}
+    # a shorter pause from another lane's run: the pool keeps the longer reset and who set it
+    throttle(conn, second, t2["lease_token"], after_seconds=120, note="short")
+    pool = rows(conn, "select * from fleet.pools where name = 'pool'")[0]
+    assert (pool["throttled_until"], pool["throttled_by"], pool["throttle_note"]) == (until, by, "weekly limit")
+    assert _throttle_delay(conn, second) == 120  # the task itself waits what it was told
+    # a later reset from a direct connection: its login is the role, no key
+    conn.execute("update fleet.pools set throttled_until = null")
+    _ready(conn)
+    t3 = claim_one(conn, s2)
+    throttle(conn, t3["id"], t3["lease_token"], after_seconds=7200)
+    by = one(conn, "select throttled_by from fleet.pools where name = 'pool'")
+    assert (by["task"], by["lane"], by["host"]) == (second, "q", "host-b")
+    assert by["role"] == one(conn, "select session_user::text") and "key" not in by
+
+
+def test_sync_profile_refuses_a_throttle_floor_past_the_longest_window(conn):
+    one(conn, "select fleet.sync_pool('pool', null)")
+    assert one(conn, "select fleet.sync_profile('prof', 'pool', '{}', %s)", (8 * 86400,)) == "created"
+    with refused(INVALID_ARGUMENT) as err:
+        one(conn, "select fleet.sync_profile('prof', 'pool', '{}', %s)", (8 * 86400 + 1,))
+    assert "throttle_floor must be 0 to 691200 seconds" in str(err.value)
+    assert one(conn, "select throttle_floor_seconds from fleet.profiles") == 8 * 86400
 
 
 def last_event_of(conn: psycopg.Connection, kind: str) -> dict[str, Any]:

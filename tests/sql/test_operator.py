@@ -1,6 +1,6 @@
-"""The operator group (migrations/sources/09_operator.sql): fleet.cancel and fleet.retry, called over
-psycopg against a real, freshly migrated PostgreSQL — what they change, what they refuse, the
-events they write. (fleet.resume, fleet.review_approve/review_reject, fleet.task_spend and
+"""The operator group (migrations/sources/09_operator.sql): fleet.cancel, fleet.retry and
+fleet.clear_throttle, called over psycopg against a real, freshly migrated PostgreSQL — what they
+change, what they refuse, the events they write. (fleet.resume, fleet.review_approve/review_reject, fleet.task_spend and
 fleet.set_task_budget are exercised through real shifts and `fleet` commands:
 tests/test_guardrails.py, tests/test_dispatch.py; their grants and lane checks:
 tests/sql/test_security.py.)
@@ -8,10 +8,15 @@ tests/sql/test_security.py.)
 
 from __future__ import annotations
 
+import psycopg
 import pytest
 from sqlkit import (
+    INVALID_ARGUMENT,
     INVALID_STATE,
+    LANE_NOT_ALLOWED,
     UNKNOWN_TASK,
+    add_lane,
+    as_key,
     cancel,
     claim,
     claim_one,
@@ -21,12 +26,17 @@ from sqlkit import (
     hand_off,
     kinds,
     last_event,
+    one,
     open_session,
     refused,
     release,
     retry,
+    rows,
     runs,
+    take_lease,
     task,
+    throttle,
+    transient,
     world,
 )
 
@@ -161,3 +171,79 @@ def test_retry_refused_unless_dead_or_cancelled(conn, lane, session, state):
 def test_retry_unknown_task(conn, lane):
     with refused(UNKNOWN_TASK):
         retry(conn, 12345)
+
+
+# ------------------------------------------------------------------------------------------------
+# clear_throttle: an operator lifts a pool's throttle
+
+
+def _pooled_lanes(conn: psycopg.Connection) -> None:
+    """Lanes a and b drawing from pool shared (profile p), lane c from pool other (profile o)."""
+    for pool in ("shared", "other"):
+        conn.execute("select fleet.sync_pool(%s, null)", (pool,))
+    conn.execute("select fleet.sync_profile('p', 'shared', '{}')")
+    conn.execute("select fleet.sync_profile('o', 'other', '{}')")
+    for name, profile in (("a", "p"), ("b", "p"), ("c", "o")):
+        add_lane(conn, name, config={"profile": profile})
+
+
+def test_clear_throttle_lifts_the_pool_and_readies_the_tasks_that_wait_for_it(conn):
+    _pooled_lanes(conn)
+    waiting, other_pool, transient_wait, later, blocked_b = (
+        enqueue(conn, lane, key) for lane, key in (("a", "w"), ("c", "o"), ("a", "t"), ("a", "l"), ("b", "x")))
+    sa, sc = open_session(conn, "a", host="host-a"), open_session(conn, "c")
+    until = throttle(conn, waiting, take_lease(conn, sa, waiting), until="9999-12-31T00:00:00Z", note="weekly")
+    throttle(conn, other_pool, take_lease(conn, sc, other_pool), after_seconds=3600)
+    conn.execute("update fleet.pools set throttled_until = null where name = 'shared'")  # to claim the rest
+    transient(conn, transient_wait, take_lease(conn, sa, transient_wait), after_seconds=3600)
+    conn.execute("update fleet.pools set throttled_until = %s where name = 'shared'", (until,))
+    conn.execute("update fleet.tasks set run_at = now() + interval '1 day' where id = %s", (later,))
+    # every lane of the pool is stopped
+    assert claim(conn, open_session(conn, "b")) == []
+    by = one(conn, "select throttled_by from fleet.pools where name = 'shared'")
+    assert by["task"] == waiting
+
+    got = one(conn, "select fleet.clear_throttle('shared')")
+    assert got == {"pool": "shared", "was_until": until.isoformat(), "note": "weekly", "set_by": by, "tasks": 1}
+    pool = rows(conn, "select * from fleet.pools where name = 'shared'")[0]
+    assert (pool["throttled_until"], pool["throttle_note"], pool["throttled_by"]) == (None, None, None)
+    assert one(conn, "select run_at <= now() from fleet.tasks where id = %s", (waiting,))
+    assert task(conn, waiting)["carry_over"] is True  # still first of its priority
+    # not: a task of another pool, one waiting for a transient retry, one queued for later
+    for task_id in (other_pool, transient_wait, later):
+        assert one(conn, "select run_at > now() from fleet.tasks where id = %s", (task_id,)), task_id
+    assert one(conn, "select throttled_until > now() from fleet.pools where name = 'other'")
+    ev = rows(conn, "select * from fleet.events where kind = 'throttle_cleared'")
+    assert len(ev) == 1 and ev[0]["task_id"] is None and ev[0]["lane"] is None
+    assert ev[0]["detail"] == got | {"by": {"role": one(conn, "select session_user::text")}}
+    # the pool's lanes claim again, the throttled task first
+    claimed = claim(conn, open_session(conn, "b"), 5)
+    assert [t["id"] for t in claimed] == [blocked_b]
+    assert [t["id"] for t in claim(conn, open_session(conn, "a"), 5)] == [waiting]
+    # again: nothing to lift, nothing journaled
+    assert one(conn, "select fleet.clear_throttle('shared')")["was_until"] is None
+    assert len(rows(conn, "select * from fleet.events where kind = 'throttle_cleared'")) == 1
+
+
+def test_clear_throttle_is_a_fleet_wide_operators_call(conn):
+    _pooled_lanes(conn)
+    task_id = enqueue(conn, "a", "w")
+    throttle(conn, task_id, take_lease(conn, open_session(conn, "a"), task_id), after_seconds=3600)
+    before = world(conn) | {"pools": rows(conn, "select * from fleet.pools order by name")}
+    with refused(INVALID_ARGUMENT) as err:
+        one(conn, "select fleet.clear_throttle('nope')")
+    assert "unknown pool 'nope'" in str(err.value) and "known pools: other, shared" in str(err.value)
+    # a worker may not (no grant), nor an operator key limited to some lanes (the pool is shared)
+    with as_key(conn, "fleet_worker", {"role": "fleet_worker", "fleet_lanes": ["*"]}), refused("42501"):
+        one(conn, "select fleet.clear_throttle('shared')")
+    with as_key(conn, "fleet_operator", {"role": "fleet_operator", "fleet_lanes": ["a", "b"]}), \
+            refused(LANE_NOT_ALLOWED) as err:
+        one(conn, "select fleet.clear_throttle('shared')")
+    assert "works on every lane" in str(err.value)
+    assert world(conn) | {"pools": rows(conn, "select * from fleet.pools order by name")} == before
+    # an operator key for every lane may
+    with as_key(conn, "fleet_operator", {"role": "fleet_operator", "sub": "lanefleet:operator:x"}):
+        got = one(conn, "select fleet.clear_throttle('shared')")
+        assert got["tasks"] == 1 and got["set_by"]["task"] == task_id
+        detail = one(conn, "select detail from fleet.events where kind = 'throttle_cleared'")
+        assert detail["by"] == {"role": "fleet_operator", "key": "lanefleet:operator:x"}

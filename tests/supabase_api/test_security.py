@@ -190,18 +190,23 @@ def test_docs_key_cannot_touch_bugfix_work(world: World, fn: str) -> None:
 
 
 def test_docs_key_cannot_learn_a_bugfix_task_through_an_existing_key(world: World) -> None:
-    """Keys are unique across lanes: enqueueing a bugfix task's key into docs must not answer
-    with that task's id (as an idempotent enqueue in its own lane does)."""
+    """Keys are per lane: a bugfix task's key enqueued into docs is another task, never answered
+    with the bugfix task's id; a docs task routed on into bugfix keeps its key in docs, and an
+    enqueue of that key is refused without naming where it went."""
     s = world.stack
     st = store(s, key(s, "worker", ["docs"]))
+    sql(s, "select fleet.route(%s, %s, 'bugfix')", (world.docs_task, world.docs_token))  # docs:0 moves on
     before = snapshot(s)
     try:
-        with pytest.raises(LaneForbidden):
-            st.enqueue("docs", "bugfix:1")
         assert st.enqueue("docs", "docs:1") == (world.docs_queued, False)  # its own: idempotent
+        with pytest.raises(LaneForbidden) as err:
+            st.enqueue("docs", "docs:0")
+        assert "moved on to a lane not allowed for this key" in str(err.value) and "bugfix" not in str(err.value)
+        assert snapshot(s) == before
+        task_id, created = st.enqueue("docs", "bugfix:1")
+        assert created and task_id != world.bug_queued
     finally:
         st.close()
-    assert snapshot(s) == before
 
 
 def test_docs_key_refusals_are_lane_forbidden_through_the_store(world: World) -> None:
@@ -448,8 +453,12 @@ def test_one_megabyte_inputs(world: World) -> None:
         with pytest.raises(InvalidInput):
             st.enqueue("docs", "nul:1", {"text": "a\u0000b"})  # PostgreSQL text has no NUL
         assert snapshot(s) == before
-        # a 1 MB payload (and checkpoint) is stored verbatim
-        payload = {"blob": big, "quote": "'; drop table fleet.tasks; --" * 1000}
+        # a payload past the lane's cap (1 MiB) is refused; one just under it (and a 1 MB
+        # checkpoint) is stored verbatim
+        with pytest.raises(InvalidInput, match="more than lane docs's max_payload_bytes of 1048576"):
+            st.enqueue("docs", "big:0", {"blob": big})
+        assert snapshot(s) == before
+        payload = {"blob": big[:(1 << 20) - 40000], "quote": "'; drop table fleet.tasks; --" * 1000}
         task_id, _ = st.enqueue("docs", "big:1", payload)
         assert sql(s, "select payload from fleet.tasks where id = %s", (task_id,))[0]["payload"] == payload
         assert st.checkpoint(world.docs_task, UUID(world.docs_token), {"blob": big}) == 1

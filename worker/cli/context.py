@@ -26,6 +26,8 @@ ConfigOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
 JsonTablesOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
 TaskRef = Annotated[str, typer.Argument(help="task id or key")]
+# keys are per lane: the lane of a key that names tasks in several lanes
+KeyLaneOpt = Annotated[str | None, typer.Option("--lane", "-l", help="the lane of the key (keys are per lane)")]
 
 
 def root_callback(ctx: typer.Context, config: ConfigOpt = None) -> None:

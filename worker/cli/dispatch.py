@@ -1,7 +1,11 @@
 """``fleet profiles``: every dispatch profile and every lane's dispatch, resolved exactly as a spawn
-resolves it."""
+resolves it; ``fleet pools list|clear``: the capacity pools in the database, and an operator's
+lever on a pool's throttle."""
 
 from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -10,6 +14,8 @@ from rich.table import Table
 from worker.agent.executor import render_argv
 from worker.cli.context import JsonTablesOpt, console, emit_json, rt
 from worker.shift.dispatch import SAMPLE_VALUES, resolved
+
+pools_app = typer.Typer(no_args_is_help=True, help="Capacity pools: their slots and throttles, and lifting a throttle.")
 
 
 def profiles(ctx: typer.Context, as_json: JsonTablesOpt = False) -> None:
@@ -50,3 +56,54 @@ def profiles(ctx: typer.Context, as_json: JsonTablesOpt = False) -> None:
         for profile, summary in seen:
             table.add_row(lane, profile, escape(summary))
     console.print(table)
+
+
+def _setter(by: dict[str, Any] | None) -> str:
+    """Who set a throttle, in a few words: task 12 (lane docs) on host-1, fleet_worker."""
+    if not by:
+        return ""
+    where = f"task {by.get('task')}" + (f" (lane {by['lane']})" if by.get("lane") else "")
+    if by.get("host"):
+        where += f" on {by['host']}"
+    return where + (f", {by['role']}" if by.get("role") else "")
+
+
+def _when(value: Any) -> str:
+    if isinstance(value, datetime):
+        return value.strftime("%Y-%m-%d %H:%M:%S %Z").strip()
+    return str(value) if value is not None else ""
+
+
+@pools_app.command("list")
+def pools_list(ctx: typer.Context, as_json: JsonTablesOpt = False) -> None:
+    """Every capacity pool in the database: slots, and a throttle with who set it."""
+    rows = rt(ctx).store().pools()
+    if as_json:
+        emit_json(rows)
+        return
+    if not rows:
+        console.print("no pools (they come from fleet.toml's [pools] by `fleet lanes sync`)")
+        return
+    table = Table("pool", "slots", "throttled until", "note", "set by", title="capacity pools", title_justify="left")
+    for r in rows:
+        table.add_row(r["name"], "∞" if r["slots"] is None else str(r["slots"]), _when(r["throttled_until"]),
+                      escape(str(r["throttle_note"] or ""))[:80], escape(_setter(r["throttled_by"])))
+    console.print(table)
+
+
+@pools_app.command("clear")
+def pools_clear(ctx: typer.Context, name: Annotated[str, typer.Argument(help="the pool")],
+                as_json: JsonTablesOpt = False) -> None:
+    """Lift a pool's throttle now (an operator's call, journaled): the pool's lanes claim from it
+    again, and the tasks that waited for its reset are ready."""
+    got = rt(ctx).store().clear_throttle(name)
+    if as_json:
+        emit_json(got)
+        return
+    if got.get("was_until") is None:
+        console.print(f"pool {escape(name)} was not throttled"
+                      + (f"; {got['tasks']} waiting task(s) ready now" if got.get("tasks") else ""))
+        return
+    who = _setter(got.get("set_by"))
+    console.print(f"pool {escape(name)}: throttle lifted (it was until {got['was_until']}"
+                  + (f", set by {escape(who)}" if who else "") + f"); {got.get('tasks', 0)} waiting task(s) ready now")

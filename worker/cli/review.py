@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from worker.cli.context import JsonTablesOpt, TaskRef, console, emit_json, rt
+from worker.cli.context import JsonTablesOpt, KeyLaneOpt, TaskRef, console, emit_json, rt
 
 review_app = typer.Typer(no_args_is_help=True, help="Review: completed tasks of lanes with `review = true`.")
 
@@ -38,17 +38,19 @@ def review_list(ctx: typer.Context, lane: Annotated[str | None, typer.Option("--
 
 @review_app.command("approve")
 def review_approve(ctx: typer.Context, ref: TaskRef,
-                   note: Annotated[str | None, typer.Option("--note", help="kept in the journal")] = None) -> None:
+                   note: Annotated[str | None, typer.Option("--note", help="kept in the journal")] = None,
+                   lane: KeyLaneOpt = None) -> None:
     """Accept a task's result: it is done."""
     store = rt(ctx).store()
-    task = store.get_task(ref)
+    task = store.get_task(ref, lane)
     console.print(f"task {task.id}: {store.review_approve(task.id, note)}")
 
 
 @review_app.command("reject")
 def review_reject(ctx: typer.Context, ref: TaskRef,
-                  note: Annotated[str, typer.Option("--note", help="what is wrong: the next attempt's prompt carries it")]) -> None:
+                  note: Annotated[str, typer.Option("--note", help="what is wrong: the next attempt's prompt carries it")],
+                  lane: KeyLaneOpt = None) -> None:
     """Send a task back to the queue with a note for its next attempt."""
     store = rt(ctx).store()
-    task = store.get_task(ref)
+    task = store.get_task(ref, lane)
     console.print(f"task {task.id}: {store.review_reject(task.id, note)} (the note goes into its next prompt)")

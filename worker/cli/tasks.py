@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from worker.cli.context import JsonOpt, TaskRef, console, emit_json, err_console, rt
+from worker.cli.context import JsonOpt, KeyLaneOpt, TaskRef, console, emit_json, err_console, rt
 from worker.errors import InvalidInput
 from worker.models import Run
 from worker.store.task_input import (
@@ -28,7 +28,7 @@ def _jsonable(model: Any) -> Any:
 def enqueue(
     ctx: typer.Context,
     lane: Annotated[str | None, typer.Argument(help="the lane to queue the task in (with --from: the default lane)")] = None,
-    key: Annotated[str | None, typer.Option("--key", "-k", help="idempotency key, e.g. issue:473")] = None,
+    key: Annotated[str | None, typer.Option("--key", "-k", help="idempotency key in the lane, e.g. issue:473")] = None,
     payload: Annotated[str | None, typer.Option(help="JSON object, or @file.json")] = None,
     title: Annotated[str | None, typer.Option(help="a short title")] = None,
     priority: Annotated[int | None, typer.Option(help="0..1000, higher runs first (default 0)")] = None,
@@ -45,8 +45,9 @@ def enqueue(
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="the task's budget in tokens, over all attempts")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Queue a task (prints its id; says so when the key already existed), or with --from the
-    tasks of a file (prints how many were created and how many already existed)."""
+    """Queue a task (prints its id; says so when the key already named a task in the lane), or
+    with --from the tasks of a file (prints how many were created and how many already existed).
+    Keys are per lane: the same key in another lane is another task."""
     if lane is not None and lane_option is not None and lane != lane_option:
         raise InvalidInput(f"two lanes given: {lane!r} and --lane {lane_option!r}")
     lane = lane if lane is not None else lane_option
@@ -64,7 +65,8 @@ def enqueue(
         existing = len(results) - created
         if as_json:
             emit_json({"created": created, "existing": existing,
-                       "tasks": [{"line": number, "key": task["key"], "id": task_id, "created": c}
+                       "tasks": [{"line": number, "key": task["key"], "lane": task.get("lane") or lane,
+                                  "id": task_id, "created": c}
                                  for (number, task), (task_id, c) in zip(lines, results, strict=True)]})
             return
         print(f"{created} created, {existing} already existed")
@@ -75,16 +77,20 @@ def enqueue(
         raise InvalidInput("a task needs --key K, its idempotency key (or use --from FILE)")
     data = parse_payload(payload)
     when, delay = parse_run_at(run_at)
-    task_id, created = rt(ctx).store().enqueue(lane, key, data, priority if priority is not None else 0, when,
-                                               max_attempts, title, delay_seconds=delay, tier=tier,
-                                               profile=profile, max_cost_usd=max_cost, max_tokens=max_tokens)
+    store = rt(ctx).store()
+    task_id, created = store.enqueue(lane, key, data, priority if priority is not None else 0, when,
+                                     max_attempts, title, delay_seconds=delay, tier=tier,
+                                     profile=profile, max_cost_usd=max_cost, max_tokens=max_tokens)
     if as_json:
         emit_json({"id": task_id, "created": created})
     elif created:
         print(task_id)
     else:
         print(task_id)
-        err_console.print(f"key {escape(repr(key))} already existed: task {task_id} (nothing new queued)")
+        now_in = store.get_task(task_id).lane
+        moved = f", now in lane {now_in}" if now_in != lane else ""
+        err_console.print(f"key {escape(repr(key))} already existed in lane {lane}: task {task_id}{moved}"
+                          " (nothing new queued)")
 
 
 def tasks(
@@ -107,10 +113,10 @@ def tasks(
     console.print(table)
 
 
-def show(ctx: typer.Context, ref: TaskRef, as_json: JsonOpt = False) -> None:
+def show(ctx: typer.Context, ref: TaskRef, lane: KeyLaneOpt = None, as_json: JsonOpt = False) -> None:
     """One task: its fields, stage history, runs and events."""
     store = rt(ctx).store()
-    task = store.get_task(ref)
+    task = store.get_task(ref, lane)
     runs = store.task_runs(task.id)
     events = store.task_events(task.id)
     if as_json:
@@ -177,17 +183,17 @@ def run_lines(r: Run) -> list[str]:
     return lines
 
 
-def cancel(ctx: typer.Context, ref: TaskRef) -> None:
+def cancel(ctx: typer.Context, ref: TaskRef, lane: KeyLaneOpt = None) -> None:
     """Cancel a queued or running task (a running agent stops at its next heartbeat)."""
     store = rt(ctx).store()
-    task = store.get_task(ref)
+    task = store.get_task(ref, lane)
     console.print(f"task {task.id}: {store.cancel(task.id)}")
 
 
-def retry(ctx: typer.Context, ref: TaskRef) -> None:
+def retry(ctx: typer.Context, ref: TaskRef, lane: KeyLaneOpt = None) -> None:
     """Queue a dead, cancelled or blocked task again, with a fresh attempt cap (the agent runs again)."""
     store = rt(ctx).store()
-    task = store.get_task(ref)
+    task = store.get_task(ref, lane)
     console.print(f"task {task.id}: {store.retry(task.id)}")
 
 
@@ -198,6 +204,7 @@ def resume(
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="a new token budget (0: none)")] = None,
     batch: Annotated[int | None, typer.Option("--batch", help="resume a blocked batch: the next shift "
                                               "continues its member (re-runs the gate, or the landing)")] = None,
+    lane: KeyLaneOpt = None,
 ) -> None:
     """Queue a blocked task again: blocked by its verify gate, only the gate runs again; blocked by
     its budget, give it a new one (--max-cost / --max-tokens) or it blocks again at once.
@@ -211,7 +218,7 @@ def resume(
         return
     if ref is None:
         raise typer.BadParameter("name a task (id or key), or --batch ID")
-    task = store.get_task(ref)
+    task = store.get_task(ref, lane)
     if max_cost is not None or max_tokens is not None:
         store.set_task_budget(task.id, max_cost, max_tokens)
     state = store.resume(task.id)

@@ -328,6 +328,13 @@ class PostgresStore(NamedReads):
     def sync_pool(self, name: str, slots: int | None) -> str:
         return str(self._one("select fleet.sync_pool(%s, %s)", (name, slots)))
 
+    def clear_throttle(self, pool: str) -> dict[str, Any]:
+        """An operator lifts the pool's throttle (``fleet.clear_throttle``): {pool, was_until (None:
+        it was not throttled), note, set_by, tasks (how many waiting tasks are ready now)}."""
+        value = self._one("select fleet.clear_throttle(%s)", (pool,), idempotent=False)
+        assert isinstance(value, dict)
+        return value
+
     def sync_profile(self, name: str, pool: str | None, models: dict[str, str],
                      throttle_floor: float = 60.0) -> str:
         return str(self._one("select fleet.sync_profile(%s, %s, %s, %s)",

@@ -6,8 +6,8 @@
 select * from fleet.tasks where id = %(id)s;
 
 -- name: task_by_key
--- One task by its idempotency key.
-select * from fleet.tasks where key = %(key)s;
+-- The tasks of an idempotency key (keys are per lane: one task per lane at most), oldest first.
+select * from fleet.tasks where key = %(key)s order by id;
 
 -- name: list_tasks
 -- Tasks, newest first, optionally filtered by lane and state.
@@ -32,6 +32,10 @@ select * from fleet.lane_handoffs where lane = %(lane)s order by id desc limit 1
 -- name: list_lanes
 -- Every lane row.
 select * from fleet.lanes order by name;
+
+-- name: list_pools
+-- Every capacity pool: its slots, and its throttle (until, note, who set it).
+select name, slots, throttled_until, throttle_note, throttled_by from fleet.pools order by name;
 
 -- name: lane_counts
 -- Tasks per lane and state.

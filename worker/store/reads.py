@@ -6,7 +6,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from worker.errors import UnknownTask
+from worker.errors import InvalidInput, UnknownTask
 from worker.models import Event, LaneHandoff, Run, Task
 
 
@@ -40,17 +40,28 @@ class NamedReads:
     def query(self, name: str, **params: Any) -> list[dict[str, Any]]:
         raise NotImplementedError
 
-    def get_task(self, ref: int | str) -> Task:
-        """A task by id (an int, or a string of digits) or by key."""
+    def get_task(self, ref: int | str, lane: str | None = None) -> Task:
+        """A task by id (an int, or a string of digits) or by key. Keys are per lane: ``lane``
+        names the lane of the key (the task in it, or the one that was in it and moved on: a
+        routed task keeps its key in the lanes it left), and must be given when the key names
+        tasks in several lanes. With ``lane``, an id of a task elsewhere is no match."""
+        rows: list[dict[str, Any]] = []
         if isinstance(ref, int) or ref.isdigit():
-            rows = self.query("task_by_id", id=int(ref))
-            if not rows and isinstance(ref, str):
-                rows = self.query("task_by_key", key=ref)
+            rows = [r for r in self.query("task_by_id", id=int(ref)) if lane is None or r["lane"] == lane]
+            if rows or isinstance(ref, int):
+                return _one_task(rows, ref, lane)
+        found = self.query("task_by_key", key=ref)
+        if lane is not None:
+            rows = ([r for r in found if r["lane"] == lane]
+                    or [r for r in found if any(isinstance(s, dict) and s.get("lane") == lane
+                                                for s in r.get("stages") or [])])
+        elif len(found) > 1:
+            lanes = ", ".join(sorted(str(r["lane"]) for r in found))
+            raise InvalidInput(f"key {ref!r} names {len(found)} tasks, in lanes {lanes}",
+                               "keys are per lane: give the lane (--lane), or the task's id")
         else:
-            rows = self.query("task_by_key", key=ref)
-        if not rows:
-            raise UnknownTask(f"no task with id or key {ref!r}")
-        return Task.model_validate(rows[0])
+            rows = found
+        return _one_task(rows, ref, lane)
 
     def list_tasks(self, lane: str | None = None, state: str | None = None, limit: int = 50) -> list[Task]:
         return [Task.model_validate(r) for r in self.query("list_tasks", lane=lane, state=state, limit=limit)]
@@ -67,3 +78,13 @@ class NamedReads:
 
     def lane_names(self) -> list[str]:
         return [str(r["name"]) for r in self.query("list_lanes")]
+
+    def pools(self) -> list[dict[str, Any]]:
+        """Every capacity pool: name, slots, throttled_until, throttle_note, throttled_by."""
+        return self.query("list_pools")
+
+
+def _one_task(rows: list[dict[str, Any]], ref: int | str, lane: str | None) -> Task:
+    if not rows:
+        raise UnknownTask(f"no task with id or key {ref!r}" + (f" in lane {lane}" if lane is not None else ""))
+    return Task.model_validate(rows[0])

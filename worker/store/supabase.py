@@ -61,7 +61,7 @@ class _Transient(Exception):
 # the call never ran
 _NOT_RUN = {"PGRST000", "PGRST001", "PGRST002", "PGRST003"}
 _NOT_FOUND = {"PGRST202", "PGRST205", "42883", "42P01"}
-_TIME_COLUMNS = {"ts", "deadline", "window_start", "window_end"}
+_TIME_COLUMNS = {"ts", "deadline", "window_start", "window_end", "throttled_until"}
 
 
 def _times(row: dict[str, Any]) -> dict[str, Any]:
@@ -322,6 +322,11 @@ class SupabaseStore(NamedReads):
     def sync_pool(self, name: str, slots: int | None) -> str:
         return str(self._rpc("sync_pool", {"p_name": name, "p_slots": slots}))
 
+    def clear_throttle(self, pool: str) -> dict[str, Any]:
+        value = self._rpc("clear_throttle", {"p_pool": pool}, idempotent=False)
+        assert isinstance(value, dict)
+        return value
+
     def sync_profile(self, name: str, pool: str | None, models: dict[str, str],
                      throttle_floor: float = 60.0) -> str:
         return str(self._rpc("sync_profile", {"p_name": name, "p_pool": pool, "p_models": models,
@@ -405,7 +410,7 @@ class SupabaseStore(NamedReads):
         if name == "task_by_id":
             return self._rows(name, lambda c: c.table("tasks").select("*").eq("id", int(params["id"])))
         if name == "task_by_key":
-            return self._rows(name, lambda c: c.table("tasks").select("*").eq("key", params["key"]))
+            return self._rows(name, lambda c: c.table("tasks").select("*").eq("key", params["key"]).order("id"))
         if name == "list_tasks":
             def build(c: Any) -> Any:
                 q = c.table("tasks").select("*")
@@ -426,6 +431,9 @@ class SupabaseStore(NamedReads):
                               .order("id", desc=True).limit(1))
         if name == "list_lanes":
             return self._rows(name, lambda c: c.table("lanes").select("*").order("name"))
+        if name == "list_pools":
+            return self._rows(name, lambda c: c.table("pools").select(
+                "name,slots,throttled_until,throttle_note,throttled_by").order("name"))
         if name == "active_sessions_on_host":
             return self._rows(name, lambda c: c.table("sessions").select("id,lane,pid,pid_started_at")
                               .eq("state", "active").eq("host", params["host"]))

@@ -40,6 +40,7 @@ def lane_settings(lane: LaneConfig, dispatch: list[dict[str, str]] | None = None
             "review_cap": lane.review_cap,
             "workspace_retention_seconds": lane.workspace_retention,
             "max_transient": lane.max_transient,
+            "max_payload_bytes": lane.max_payload_bytes,
         },
     }
 
