@@ -85,6 +85,8 @@ NEUTRAL = {
     "p_max_attempts", "p_title", "p_run_at", "p_max_cost_usd", "p_max_tokens", "p_throttle_floor", "p_path",
     # rows of a table: the private helpers that take one (no key role may call them)
     "b", "m", "t", "l",
+    # a private helper of fleet.route (no key role may call it): the task already holding a key
+    "p_holder", "p_holder_lane",
 }
 
 # What the probe finds that this branch cannot fix: another lane's object still answers unlike a
@@ -95,8 +97,6 @@ KNOWN: dict[tuple[str, str], str] = {
                                   "one LF006 (use fleet._lock_session)",
     ("worker", "declare_session_lost"): "05_sessions: as close_session",
     ("operator", "declare_session_lost"): "05_sessions: as close_session",
-    ("worker", "record_run"): "08_finish: a lane-B token answers LF008 naming its lane, an unknown one LF003 "
-                              "'no run holds that lease token'",
     ("worker", "complete_many"): "08_finish: a lane-B task refuses the call (LF008 naming its lane), an "
                                  "unknown one is reported 'unknown'",
     ("worker", "task_spend"): "09_operator: a lane-B task answers LF008 naming its lane, an unknown one LF003",
