@@ -61,6 +61,10 @@ def private(path: Path, text: str, mode: int = 0o600) -> Path:
 
 
 def make_fleet(db_url: str, place: Path, lane: dict[str, Any], **tables: dict[str, dict[str, Any]]) -> Fleet:
+    if lane.get("command") == PROBE:
+        # the probe's own script, shown read-only: a checkout under /tmp (a CI clone) is hidden by
+        # the sandbox's fresh /tmp like anything else there
+        lane = {**lane, "sandbox_ro": [*lane.get("sandbox_ro", []), str(ROOT / "tests" / "agents")]}
     return Fleet(Backend("postgres", db_url), place, {"work": lane_defaults(**lane)}, tables=tables or None)
 
 

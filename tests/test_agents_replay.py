@@ -38,7 +38,9 @@ def agent_fleet(backend: Backend, tmp_path: Path):
         del settings["command"]
         # a real CLI's adapter: its agent runs sandboxed (worker.agent.sandbox), and the samples some
         # tests cut into the test's folder are shown to it read-only
-        sandbox: dict[str, Any] = {"sandbox_ro": [str(tmp_path)]} if bwrap_problem() is None else {"sandbox": "none"}
+        # (and the replaying script with its corpus: a checkout under /tmp is hidden like the rest of /tmp)
+        sandbox: dict[str, Any] = ({"sandbox_ro": [str(tmp_path), str(Path(REPLAY).parent)]}
+                                   if bwrap_problem() is None else {"sandbox": "none"})
         tables = {"profiles": {"p": {"command": command, "agent": agent, "model": model, **sandbox}}}
         home = tmp_path / f"fleet-{len(made)}"
         home.mkdir()
