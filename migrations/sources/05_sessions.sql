@@ -49,11 +49,7 @@ begin
     if p_snapshot is not null and jsonb_typeof(p_snapshot) <> 'object' then
         perform fleet._raise('LF005', 'a lane hand-off snapshot must be a JSON object');
     end if;
-    select * into s from fleet.sessions where id = p_session for no key update;
-    if not found then
-        perform fleet._raise('LF006', format('unknown session %s', p_session));
-    end if;
-    perform fleet._require_lane(s.lane);
+    s := fleet._lock_session(p_session);  -- another lane's session answers as an unknown one
     select id into v_id from fleet.lane_handoffs where session_id = p_session;
     if v_id is not null then
         return v_id;  -- closed already: closing again is a no-op
@@ -122,11 +118,7 @@ declare
     v_task bigint;
     v_state text;
 begin
-    select * into s from fleet.sessions where id = p_session for no key update;
-    if not found then
-        perform fleet._raise('LF006', format('unknown session %s', p_session));
-    end if;
-    perform fleet._require_lane(s.lane);
+    s := fleet._lock_session(p_session);  -- another lane's session answers as an unknown one
     if s.state = 'active' then
         update fleet.sessions
            set state = 'lost', ended_at = now(), end_reason = coalesce(p_reason, 'lost')

@@ -93,17 +93,8 @@ NEUTRAL = {
 # missing one in groups owned elsewhere. (role, function) -> why. A fix there makes the test fail
 # until the line is removed.
 KNOWN: dict[tuple[str, str], str] = {
-    ("worker", "close_session"): "05_sessions: a lane-B session answers LF008 naming its lane, an unknown "
-                                  "one LF006 (use fleet._lock_session)",
-    ("worker", "declare_session_lost"): "05_sessions: as close_session",
-    ("operator", "declare_session_lost"): "05_sessions: as close_session",
     ("worker", "complete_many"): "08_finish: a lane-B task refuses the call (LF008 naming its lane), an "
                                  "unknown one is reported 'unknown'",
-    ("worker", "task_spend"): "09_operator: a lane-B task answers LF008 naming its lane, an unknown one LF003",
-    ("operator", "task_spend"): "09_operator: as for the worker",
-    ("worker", "batch_get"): "11_batches: a lane-B batch answers LF008 naming its lane, an unknown one LF003",
-    ("operator", "batch_get"): "11_batches: as for the worker",
-    ("operator", "batch_resume"): "11_batches: as batch_get",
     ("operator", "batch_create"): "11_batches: a lane-B task key in one's own lane answers LF004 naming "
                                   "the task's state and lane, an unknown one LF003; an unknown profile's hint "
                                   "lists every profile, lane B's too",
