@@ -70,13 +70,14 @@ begin
         return;
     end if;
 
-    -- lock every named task, in id order; the lane check of each lane before anything is written,
-    -- and what a completed task of that lane becomes (review or done), once per lane
+    -- lock every named task of the caller's lanes, in id order (another lane's task is neither
+    -- locked nor told apart from a missing one: it is reported unknown), and what a completed task
+    -- of each lane becomes (review or done), once per lane
     select array_agg(distinct l.lane) into v_lanes
-      from (select t.lane from fleet.tasks t where t.id = any (p_tasks) order by t.id for no key update) l;
+      from (select t.lane from fleet.tasks t where t.id = any (p_tasks) and fleet._lane_allowed(t.lane)
+             order by t.id for no key update) l;
     v_lanes := coalesce(v_lanes, '{}');
     for i in 1 .. cardinality(v_lanes) loop
-        perform fleet._require_lane(v_lanes[i]);
         v_lane_done[i] := fleet._done_state(v_lanes[i]);
     end loop;
 
@@ -90,7 +91,8 @@ begin
       from unnest(p_tasks, p_tokens, coalesce(p_results, array_fill(null::jsonb, array[v_n])))
            as i(task_id, token, result)
       join fleet.tasks t on t.id = i.task_id
-     where t.state = 'running' and i.token is not null and t.lease_token = i.token;
+     where t.state = 'running' and i.token is not null and t.lease_token = i.token
+       and fleet._lane_allowed(t.lane);
 
     if v_ids is not null then
         update fleet.tasks t
@@ -113,7 +115,8 @@ begin
     return query
     select i.task_id,
            case when h.ord is not null then v_states[h.ord]
-                when exists (select 1 from fleet.tasks t where t.id = i.task_id) then 'lost'
+                when exists (select 1 from fleet.tasks t where t.id = i.task_id and fleet._lane_allowed(t.lane))
+                then 'lost'
                 else 'unknown' end
       from unnest(p_tasks) with ordinality as i(task_id, ord)
       left join unnest(v_ids) with ordinality as h(id, ord) on h.id = i.task_id
@@ -123,8 +126,8 @@ $$;
 comment on function fleet.complete_many(bigint[], uuid[], jsonb[]) is
     'Complete many running tasks in one transaction, each fenced by its own lease token as '
     'fleet.complete fences it: (task_id, status) per element in input order, status done | review | '
-    'lost | unknown. Refused with nothing changed: arrays of different lengths, a NULL or repeated '
-    'task id (LF005), a task of a lane the caller may not work (LF008).';
+    'lost | unknown (no such task, or one of a lane the caller may not work: the same answer). '
+    'Refused with nothing changed: arrays of different lengths, a NULL or repeated task id (LF005).';
 revoke all on function fleet.complete_many(bigint[],uuid[],jsonb[]) from public;
 grant execute on function fleet.complete_many(bigint[],uuid[],jsonb[]) to fleet_worker, service_role;
 

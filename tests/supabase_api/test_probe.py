@@ -93,8 +93,6 @@ NEUTRAL = {
 # missing one in groups owned elsewhere. (role, function) -> why. A fix there makes the test fail
 # until the line is removed.
 KNOWN: dict[tuple[str, str], str] = {
-    ("worker", "complete_many"): "08_finish: a lane-B task refuses the call (LF008 naming its lane), an "
-                                 "unknown one is reported 'unknown'",
     ("operator", "batch_create"): "11_batches: a lane-B task key in one's own lane answers LF004 naming "
                                   "the task's state and lane, an unknown one LF003; an unknown profile's hint "
                                   "lists every profile, lane B's too",

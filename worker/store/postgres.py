@@ -263,7 +263,7 @@ class PostgresStore(NamedReads):
     def complete_many(self, items: Sequence[CompleteItem]) -> dict[int, str]:
         """Complete many tasks in one call (``fleet.complete_many``), each fenced by its own token:
         items are (task, token) or (task, token, result). Task id → done | lost (the token no longer
-        holds it: nothing changed for that task) | unknown (no such task)."""
+        holds it: nothing changed for that task) | unknown (no such task, or one of a lane the key may not work: the same answer)."""
         if not items:
             return {}
         results = [_json(i[2]) if len(i) > 2 else None for i in items]
