@@ -336,6 +336,12 @@ class LaneConfig(_AgentAccess):
             raise ValueError("batch_size needs a repo: batch members land on a git integration branch")
         return self
 
+    def lease_grant(self) -> float:
+        """The seconds a heartbeat makes a session's lease hold by this config: the lease, or the
+        session timeout when shorter (the database's fleet._lease_until decides; a shift uses this
+        until its first heartbeat says)."""
+        return float(min(self.lease_seconds, self.session_timeout_seconds or self.lease_seconds))
+
     def shift_slots(self) -> int:
         if self.slots is not None:
             return self.slots

@@ -115,7 +115,7 @@ def call_budget(lane: LaneConfig) -> float:
     """The most seconds one store call of a shift may take: a third of what a heartbeat grants (the
     lease, or the session timeout when shorter), so that the shift keeps heartbeating its agents
     through a database outage and no call blocks past its lease."""
-    return max(1.0, min(lane.lease_seconds, lane.session_timeout_seconds or lane.lease_seconds) / 3)
+    return max(1.0, lane.lease_grant() / 3)
 
 
 class Shift:
@@ -134,7 +134,7 @@ class Shift:
         self.host = host or socket.gethostname()
         # the seconds a heartbeat or a claim makes the session's lease hold (the database says so
         # at each heartbeat; until the first, the lane's own settings): a heartbeat every third
-        self._grant = float(min(self.lane.lease_seconds, self.lane.session_timeout_seconds or self.lane.lease_seconds))
+        self._grant = self.lane.lease_grant()
         self.heartbeat_every = max(0.5, self._grant / 3)
         self.workspaces = cfg.path(cfg.fleet.workspaces)
         self.jobs: dict[int, Job] = {}
