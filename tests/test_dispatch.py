@@ -144,7 +144,8 @@ def test_an_unknown_profile_or_tier_is_refused_at_enqueue_and_nothing_is_written
 
 
 def test_a_task_enqueued_with_a_profile_runs_with_it(dispatch_fleet) -> None:
-    fleet = dispatch_fleet({"work": tiered_lane()}, two_pools())
+    # (the lane's dispatch names agent-b: a key limited to the lane may name only its profiles)
+    fleet = dispatch_fleet({"work": tiered_lane(pools=["pool-a", "pool-b"])}, two_pools())
     task = fleet.enqueue("work", "t", QUICK, profile="agent-b", tier="mid")
     fleet.run_shift("work")
     run = fleet.runs(task)[0]

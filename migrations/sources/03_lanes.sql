@@ -192,9 +192,44 @@ $$;
 revoke all on function fleet._caller() from public;
 grant execute on function fleet._caller() to service_role;
 
+-- The profiles lane p_lane draws from: its own and those of its dispatch (the caller reads them
+-- in its lane's row anyway).
+create or replace function fleet._lane_profiles(p_lane text)
+returns setof text
+language sql
+stable
+as $$
+    select distinct pf.name
+      from fleet.lanes l
+      join fleet.profiles pf
+        on pf.name = l.config ->> 'profile'
+        or pf.name in (select d ->> 'profile' from jsonb_array_elements(
+                           case when jsonb_typeof(l.config -> 'dispatch') = 'array'
+                                then l.config -> 'dispatch' else '[]' end) d)
+     where l.name = p_lane;
+$$;
+revoke all on function fleet._lane_profiles(text) from public;
+grant execute on function fleet._lane_profiles(text) to service_role;
+
+-- Whether a task of lane p_lane may name profile p_profile: any profile, for a caller that works
+-- every lane; else one of the lane's profiles. A key limited to some lanes cannot dispatch a
+-- task with another lane's profile (and draw on that lane's pool), and learns of another lane's
+-- profile what it learns of a profile that does not exist: "unknown profile".
+create or replace function fleet._profile_known(p_lane text, p_profile text)
+returns boolean
+language sql
+stable
+as $$
+    select case when fleet._allowed_lanes() is null
+                then exists (select 1 from fleet.profiles where name = p_profile)
+                else fleet._lane_allowed(p_lane) and p_profile in (select fleet._lane_profiles(p_lane))
+           end;
+$$;
+revoke all on function fleet._profile_known(text,text) from public;
+grant execute on function fleet._profile_known(text,text) to service_role;
+
 -- The hint of an unknown profile, naming only profiles the caller may know of: every profile for
--- a caller that works every lane; else the profiles lane p_lane draws from (its own and those of
--- its dispatch, which the caller reads in its lane's row anyway).
+-- a caller that works every lane; else the profiles of lane p_lane (fleet._lane_profiles).
 create or replace function fleet._profiles_hint(p_lane text)
 returns text
 language sql
@@ -206,14 +241,8 @@ as $$
             || '; profiles come from fleet.toml by `fleet lanes sync`'
         else
             coalesce('the profiles of lane ' || p_lane || ': ' || (
-                select string_agg(distinct pf.name, ', ' order by pf.name)
-                  from fleet.lanes l
-                  join fleet.profiles pf
-                    on pf.name = l.config ->> 'profile'
-                    or pf.name in (select d ->> 'profile' from jsonb_array_elements(
-                                       case when jsonb_typeof(l.config -> 'dispatch') = 'array'
-                                            then l.config -> 'dispatch' else '[]' end) d)
-                 where l.name = p_lane and fleet._lane_allowed(p_lane)),
+                select string_agg(p, ', ' order by p) from fleet._lane_profiles(p_lane) p
+                 where fleet._lane_allowed(p_lane)),
                 'profiles come from fleet.toml by `fleet lanes sync`')
     end;
 $$;

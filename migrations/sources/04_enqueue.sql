@@ -87,7 +87,7 @@ begin
         perform fleet._raise('LF005', 'a task budget must be positive',
             format('--max-cost %s, --max-tokens %s', p_max_cost_usd, p_max_tokens));
     end if;
-    if p_profile is not null and not exists (select 1 from fleet.profiles where name = p_profile) then
+    if p_profile is not null and not fleet._profile_known(p_lane, p_profile) then
         perform fleet._raise('LF005', format('unknown profile %L', left(p_profile, 100)), fleet._profiles_hint(p_lane));
     end if;
 
@@ -259,7 +259,7 @@ begin
                         then 'tier'
                    when coalesce(jsonb_typeof(e.t -> 'profile'), 'null') not in ('string', 'null') then 'profile_type'
                    when jsonb_typeof(e.t -> 'profile') = 'string'
-                        and not exists (select 1 from fleet.profiles pf where pf.name = e.t ->> 'profile') then 'profile'
+                        and not fleet._profile_known(e.lane, e.t ->> 'profile') then 'profile'
                    when coalesce(jsonb_typeof(e.t -> 'max_cost_usd'), 'null') not in ('number', 'null')
                         then 'max_cost_type'
                    -- (as the column stores it, to the microdollar)

@@ -39,7 +39,7 @@ begin
     if (select count(distinct k) from unnest(p_keys) k) <> cardinality(p_keys) then
         perform fleet._raise('LF005', 'a task can be a member of a batch only once');
     end if;
-    if p_profile is not null and not exists (select 1 from fleet.profiles where name = p_profile) then
+    if p_profile is not null and not fleet._profile_known(p_lane, p_profile) then
         perform fleet._raise('LF005', format('unknown profile %L', left(p_profile, 100)), fleet._profiles_hint(p_lane));
     end if;
     -- lock the members in id order (as every bulk call does), then check each

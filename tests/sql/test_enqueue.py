@@ -524,3 +524,31 @@ def test_an_unknown_profile_is_named_with_the_profiles_the_caller_may_see(conn):
         enqueue_many(conn, "plain", [{"key": "k", "profile": "secret"}])
     assert "secret-opus" not in str(err.value) and "mine" not in str(err.value), str(err.value)
     assert count(conn, "tasks") == 0
+
+
+def test_a_key_of_some_lanes_cannot_dispatch_with_another_lanes_profile(conn):
+    """Lane bugfix's profile draws on lane bugfix's pool: to a key of lane docs it is unknown, the
+    same answer as a profile that does not exist; a caller of every lane may name any profile."""
+    _profiles(conn)
+    docs = {"role": "fleet_worker", "fleet_lanes": ["docs"]}
+    calls = {
+        "enqueue_task": lambda p: conn.execute(
+            "select * from fleet.enqueue_task('docs', 'k', '{}', 0, now(), null, null, null, %s)", (p,)),
+        "enqueue_many": lambda p: enqueue_many(conn, "docs", [{"key": "k", "profile": p}]),
+        "batch_create": lambda p: conn.execute("select fleet.batch_create('docs', array['k'], 5, %s)", (p,)),
+    }
+    for name, call in calls.items():
+        answers = []
+        for profile in ("secret-opus", "no-such-profile"):
+            role = "fleet_operator" if name == "batch_create" else "fleet_worker"
+            with as_key(conn, role, {**docs, "role": role}), refused(INVALID_ARGUMENT) as err:
+                call(profile)
+            answers.append((str(err.value.diag.message_primary).replace(profile, "<p>"),
+                            err.value.diag.message_hint))
+        assert answers[0] == answers[1], (name, answers)
+        assert "unknown profile '<p>'" in answers[0][0], (name, answers)
+    with as_key(conn, "fleet_worker", docs):  # the lane's own dispatch profiles are fine
+        assert enqueue_many(conn, "docs", [{"key": "k", "profile": "spill"}])[0]["created"] is True
+    assert count(conn, "tasks") == 0  # (rolled back with the key's transaction)
+    # every lane's caller: any profile
+    assert enqueue_many(conn, "docs", [{"key": "k", "profile": "secret-opus"}])[0]["created"] is True

@@ -15,10 +15,10 @@ in ``SUBSTITUTE`` what lane-B object it names, or in ``NEUTRAL`` that it names n
 
 Asserted for every call: no row or text of lane B comes back; the answer about lane B's object is
 exactly the answer about one that does not exist (status, code, message, details, hint, with the
-ids given replaced by their parameter's name); no answer is a 5xx; and the database is unchanged
-(every fleet table and sequence, compared after each call). What still fails, in groups this
-branch does not own, is listed in ``KNOWN`` with the reason; the test fails both on a new failure
-and on a listed one that no longer fails (remove it then).
+ids given replaced by their parameter's name, and ids the probe's own calls made by ``<new id>``);
+no answer is a 5xx; and the database is unchanged (every fleet table and sequence, compared after
+each call) — but for a write to the key's own lane, which is its right: there, lane B's rows stay
+unchanged and the call about lane B's objects changes what the call about nothing's changes.
 """
 
 from __future__ import annotations
@@ -89,24 +89,6 @@ NEUTRAL = {
     "p_holder", "p_holder_lane",
 }
 
-# What the probe finds that this branch cannot fix: another lane's object still answers unlike a
-# missing one in groups owned elsewhere. (role, function) -> why. A fix there makes the test fail
-# until the line is removed.
-KNOWN: dict[tuple[str, str], str] = {
-    ("operator", "batch_create"): "11_batches: a lane-B task key in one's own lane answers LF004 naming "
-                                  "the task's state and lane, an unknown one LF003; an unknown profile's hint "
-                                  "lists every profile, lane B's too",
-    ("worker", "enqueue"): "04_enqueue: keys are unique across lanes: lane B's key enqueued into one's own "
-                           "lane answers LF008 naming lane B (and moves the task sequence), where a new key "
-                           "is queued; an unknown profile's hint lists every profile, lane B's too",
-    ("worker", "enqueue_task"): "04_enqueue: as enqueue",
-    ("worker", "enqueue_after"): "04_enqueue: as enqueue",
-    ("worker", "enqueue_many"): "04_enqueue: as enqueue",
-    ("operator", "enqueue"): "04_enqueue: as for the worker",
-    ("operator", "enqueue_task"): "04_enqueue: as for the worker",
-    ("operator", "enqueue_after"): "04_enqueue: as for the worker",
-    ("operator", "enqueue_many"): "04_enqueue: as for the worker",
-}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -183,16 +165,22 @@ class Probe:
         except ValueError:
             return r.status_code, r.text
 
-    def fingerprint(self) -> dict[str, str]:
-        """A digest of every row of every fleet table, and every fleet sequence's position."""
+    def fingerprint(self, lane: str | None = None) -> dict[str, str]:
+        """A digest of every row of every fleet table, and every fleet sequence's position; with
+        ``lane``, of that lane's rows of each table with a lane column (no sequences)."""
         with psycopg.connect(self.stack.db_url) as c:
             parts = [r[0] for r in c.execute(
-                """select format('select %L, md5(coalesce(string_agg(x::text, ''|'' order by x::text), ''''))'
-                                 ' from %s x', c.relname, c.oid::regclass)
+                """select format('select %%L, md5(coalesce(string_agg(x::text, ''|'' order by x::text), ''''))'
+                                 ' from %%s x', c.relname, c.oid::regclass)
+                          || coalesce(' where x.lane = ' || quote_literal(%(lane)s::text), '')
                      from pg_class c where c.relnamespace = 'fleet'::regnamespace and c.relkind in ('r', 'p')
+                      and (%(lane)s::text is null
+                           or exists (select 1 from pg_attribute a where a.attrelid = c.oid and a.attname = 'lane'
+                                         and not a.attisdropped))
                     union all
-                   select format('select %L, last_value::text || is_called::text from %s', c.relname, c.oid::regclass)
-                     from pg_class c where c.relnamespace = 'fleet'::regnamespace and c.relkind = 'S'""").fetchall()]
+                   select format('select %%L, last_value::text || is_called::text from %%s', c.relname, c.oid::regclass)
+                     from pg_class c where c.relnamespace = 'fleet'::regnamespace and c.relkind = 'S'
+                      and %(lane)s::text is null""", {"lane": lane}).fetchall()]
             return dict(c.execute(" union all ".join(parts)).fetchall())  # type: ignore[arg-type]
 
 
@@ -247,9 +235,9 @@ def variants(fn: Fn, world: laneworld.World, now: datetime) -> list[tuple[str, d
     return out
 
 
-def normalised(answer: tuple[int, Any], args: dict[str, Any]) -> Any:
+def normalised(answer: tuple[int, Any], args: dict[str, Any], world: laneworld.World) -> Any:
     """The answer with each value given in ``args`` replaced by its parameter's name, in texts and
-    as numbers (so answers about different ids compare)."""
+    as numbers (so answers about different ids compare), and each id the probe made by ``<new id>``."""
     values: list[tuple[str, str]] = []
     for name, value in args.items():
         items = value if isinstance(value, list) else list(value) if isinstance(value, dict) else [value]
@@ -272,7 +260,10 @@ def normalised(answer: tuple[int, Any], args: dict[str, Any]) -> Any:
         if isinstance(x, str):
             return text(x)
         if isinstance(x, int) and not isinstance(x, bool):
-            return text(str(x)) if text(str(x)) != str(x) else x
+            if text(str(x)) != str(x):
+                return text(str(x))
+            # an id the probe's own calls made (lane A's ids lie below lane B's, which are known)
+            return "<new id>" if x > laneworld.B_IDS_FROM and x not in world.b_ints else x
         return x
 
     return walk(list(answer))
@@ -282,7 +273,7 @@ def aimed(answer_b: tuple[int, Any], args_b: dict[str, Any], answer_none: tuple[
           args_none: dict[str, Any], world: laneworld.World) -> list[str]:
     """What is wrong with an answer about lane B's objects, next to the same call about nothing."""
     problems = []
-    b, none = normalised(answer_b, args_b), normalised(answer_none, args_none)
+    b, none = normalised(answer_b, args_b, world), normalised(answer_none, args_none, world)
     # (a call that names no object is made twice alike: its answers may differ by the clock)
     if args_b != args_none and b != none:
         problems.append(f"lane B's answer {json.dumps(b)[:300]} differs from nothing's {json.dumps(none)[:300]}")
@@ -301,17 +292,27 @@ def walk_functions(p: Probe, role: str, bearer: str | None, apikey: str | None =
     for fn in p.fns:
         problems: list[str] = []
         for what, args_b, args_none in variants(fn, p.world, now):
-            before = p.fingerprint()
+            before, b_before = p.fingerprint(), p.fingerprint(p.world.b.name)
             answer_b = p.request("POST", f"rpc/{fn.name}", bearer, body=args_b, apikey=apikey)
             after_b = p.fingerprint()
             answer_none = p.request("POST", f"rpc/{fn.name}", bearer, body=args_none, apikey=apikey)
-            after_none = p.fingerprint()
+            after_none, b_after = p.fingerprint(), p.fingerprint(p.world.b.name)
             problems += [f"{what}: {x}" for x in aimed(answer_b, args_b, answer_none, args_none, p.world)]
-            for label, after in (("lane B's", after_b), ("nothing's", after_none)):
-                changed = sorted(k for k in before if before[k] != after.get(k))
-                if changed:
-                    problems.append(f"{what}: the call about {label} objects changed {changed}: {answer_b}")
-                    before = after
+            changed_b = sorted(k for k in before if before[k] != after_b.get(k))
+            changed_none = sorted(k for k in after_b if after_b[k] != after_none.get(k))
+            if b_after != b_before:
+                problems.append(f"{what}: changed lane B's rows of "
+                                f"{sorted(k for k in b_before if b_before[k] != b_after.get(k))}: {answer_b}")
+            elif what.startswith("own lane"):
+                # a write to its own lane is the key's right; what it writes must not depend on
+                # whether the objects it names are lane B's or nothing's
+                if changed_b != changed_none:
+                    problems.append(f"{what}: the call about lane B's objects changed {changed_b}, "
+                                    f"about nothing's {changed_none}: {answer_b}")
+            else:
+                for label, changed in (("lane B's", changed_b), ("nothing's", changed_none)):
+                    if changed:
+                        problems.append(f"{what}: the call about {label} objects changed {changed}: {answer_b}")
             if not fn.may.get(role, False) and answer_b[0] < 400:
                 problems.append(f"{what}: answered {answer_b[0]} without EXECUTE")
         found[fn.name] = problems
@@ -405,12 +406,7 @@ def test_a_lane_a_key_learns_nothing_of_lane_b_anywhere(probe: Probe, role: str)
         assert rows["lane_overview"][0] in (401, 403)
 
     functions = walk_functions(p, role, bearer)
-    failing = {name for name, problems in functions.items() if problems}
-    known = {fn for (r, fn), _ in KNOWN.items() if r == role}
-    unexpected = {name: functions[name] for name in failing - known}
-    assert not unexpected, "\n" + report(unexpected)
-    fixed = known - failing
-    assert not fixed, f"no longer failing, remove from KNOWN: {sorted(fixed)}"
+    assert report(functions) == "", "\n" + report(functions)
     # every function was called: none skipped
     assert set(functions) == {fn.name for fn in p.fns}
     assert w.b.task in w.b_ints
@@ -428,13 +424,12 @@ def test_an_operator_key_of_every_lane_reads_every_view(probe: Probe) -> None:
 
 
 def test_every_relation_and_function_is_probed(probe: Probe) -> None:
-    """What the walks cover is what the catalog has, and KNOWN names only functions that exist."""
+    """What the walks cover is what the catalog has."""
     with psycopg.connect(probe.stack.db_url) as c:
         names = {r[0] for r in c.execute("select proname from pg_proc where pronamespace = 'fleet'::regnamespace")}
         relations = {r[0] for r in c.execute("select relname from pg_class where relnamespace = 'fleet'::regnamespace"
                                               " and relkind in ('r', 'p', 'v', 'm')")}
     assert {f.name for f in probe.fns} == names and {r.name for r in probe.rels} == relations
-    assert {fn for _, fn in KNOWN} <= names
     # every parameter is one the probe knows (variants() fails on any other)
     for fn in probe.fns:
         assert variants(fn, probe.world, datetime.now(UTC)), fn.name
