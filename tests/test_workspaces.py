@@ -126,6 +126,85 @@ def test_a_failed_attempt_retried_on_the_same_host_reuses_the_row(fleet_of) -> N
 
 
 # ------------------------------------------------------------------------------------------------
+# one directory per task
+
+
+def test_keys_that_make_the_same_slug_get_a_directory_each(fleet_of) -> None:
+    f = fleet_of()
+    spaced = f.enqueue("work", "coll a", QUICK)
+    underscored = f.enqueue("work", "coll_a", QUICK)
+    assert f.run_shift("work", host=HOST).outcomes == {"done": 2}
+    [a], [b] = f.workspace_rows(spaced), f.workspace_rows(underscored)
+    assert a["path"] != b["path"]
+    for row, key in ((a, "coll a"), (b, "coll_a")):
+        path = Path(row["path"])
+        assert path == f.workspace("work", key) and path.parent == f.workspaces / "work"
+        assert path.name.startswith("coll_a-") and len(path.name) == len("coll_a-") + 8  # slug-<8 hex>
+        assert json.loads((path / ".fleet" / "task.json").read_text())["key"] == key
+
+
+def _claim_with_legacy_workspace(f: Any, session: Any, key: str) -> tuple[int, Any, Path]:
+    """Claim the task of ``key`` and record its workspace as an older lanefleet named it
+    (``<lane>/<key made safe>``, no hash), with a file of the agent's in it."""
+    from worker.workspace.folder import safe_name
+
+    [task] = f.store.claim(session, 1)
+    assert task.key == key and task.lease_token is not None
+    legacy = f.workspaces / "work" / safe_name(key)
+    (legacy / ".fleet").mkdir(parents=True, exist_ok=True)
+    (legacy / f"work-of-{task.id}.txt").write_text("work in progress")
+    f.store.touch_workspace(task.id, task.lease_token, HOST, str(legacy), disk_use(legacy).bytes)
+    return task.id, task.lease_token, legacy
+
+
+def test_a_task_whose_workspace_has_the_older_name_goes_on_working_in_it(fleet_of) -> None:
+    f = fleet_of(lease_seconds=600)
+    task_id = f.enqueue("work", "issue:7", QUICK)
+    session = f.store.open_session("work", HOST, os.getpid(), None, 600)
+    _, token, legacy = _claim_with_legacy_workspace(f, session, "issue:7")
+    assert f.store.hand_off(task_id, token, {"reason": "the shift of an older lanefleet ended"}) == "queued"
+    f.store.close_session(session, "test", {})
+
+    # the next shift (this lanefleet) resolves the directory from the row, not from the key
+    assert f.run_shift("work", host=HOST).outcomes == {"done": 1}
+    [row] = f.workspace_rows(task_id)
+    assert row["path"] == str(legacy) and row["last_used_at"] > row["created_at"]
+    assert (legacy / f"work-of-{task_id}.txt").read_text() == "work in progress"
+    assert (legacy / ".fleet" / "prompt.md").exists()  # the attempt ran there
+    assert not f.workspace("work", "issue:7").exists()  # and made no second directory
+
+
+def test_the_reaper_never_removes_a_directory_another_kept_workspace_names(fleet_of) -> None:
+    f = fleet_of(workspace_retention="1s", lease_seconds=600)
+    # two tasks that the older naming put in one directory (`coll a` and `coll_a` → coll_a)
+    finished = f.enqueue("work", "coll a", QUICK, priority=10)
+    running = f.enqueue("work", "coll_a", QUICK)
+    session = f.store.open_session("work", HOST, os.getpid(), None, 600)
+    _, finished_token, shared = _claim_with_legacy_workspace(f, session, "coll a")
+    _, running_token, shared_too = _claim_with_legacy_workspace(f, session, "coll_a")
+    assert shared == shared_too
+    f.store.complete(finished, finished_token, None)
+    age(f, finished, 3600)  # long past the lane's retention
+    [finished_row] = f.workspace_rows(finished)
+
+    # the running task's row names the directory too: not listed, refused, and left on disk
+    assert f.monitor_store.workspaces_to_reap(HOST) == []
+    assert f.monitor_store.workspace_reaped(finished_row["id"], 1) is False
+    assert reaped(monitor_pass(f.monitor_store, f.cfg, host=HOST)) == {}
+    assert (shared / f"work-of-{running}.txt").exists()
+    assert [r["state"] for r in f.workspace_rows(finished)] == ["active"]
+    [usage] = [u for u in f.monitor_store.workspace_usage() if u["host"] == HOST]
+    assert (usage["workspaces"], usage["live"], usage["reapable"]) == (2, 1, 0)
+
+    # once neither task keeps it, it goes (once: the second row finds it gone)
+    f.store.complete(running, running_token, None)
+    age(f, running, 3600)
+    assert set(reaped(monitor_pass(f.monitor_store, f.cfg, host=HOST))) == {finished, running}
+    assert not shared.exists()
+    assert [r["state"] for t in (finished, running) for r in f.workspace_rows(t)] == ["reaped", "reaped"]
+
+
+# ------------------------------------------------------------------------------------------------
 # never a live task's workspace
 
 

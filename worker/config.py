@@ -66,6 +66,8 @@ class _Strict(BaseModel):
 
 class DatabaseConfig(_Strict):
     url: str | None = None
+    # no url: the embedded server's data folder (default: <fleet.home>/pgdata, beside the config)
+    path: Path | None = None
     # a transaction-mode pooler (Supavisor, PgBouncer): no server-side prepared statements
     pooler: bool = False
     pool_min: int = Field(default=1, ge=0)

@@ -1,15 +1,19 @@
 """What a command needs at run time: the config, the database URL and the store, made lazily.
 
-No DATABASE_URL and no ``[database] url``: the embedded Postgres under ``[fleet] home``.
+No DATABASE_URL and no ``[database] url``: the embedded Postgres in ``[database] path``, by default
+``pgdata`` in ``[fleet] home`` (``.fleet/`` beside the config file). :attr:`Runtime.where` names the
+database in every message about it.
 """
 
 from __future__ import annotations
 
+import sys
 from functools import cached_property
 from pathlib import Path
 from typing import cast
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 from worker.agent.adapters import check_config
 from worker.config import FleetConfig, load_config
@@ -34,13 +38,50 @@ class Runtime:
     def embedded(self) -> bool:
         return not self.cfg.database.url
 
+    @property
+    def home(self) -> Path:
+        """The fleet's home on this host (``.fleet/`` beside the config file): logs, locks."""
+        return self.cfg.path(self.cfg.fleet.home)
+
+    @property
+    def pgdata(self) -> Path:
+        """The embedded server's data folder (used only when :attr:`embedded`)."""
+        from worker.db.embedded import data_dir
+
+        path = self.cfg.database.path
+        return data_dir(self.home, self.cfg.path(path) if path is not None else None)
+
+    @property
+    def up_lock(self) -> Path:
+        """The lock of `fleet up` here (:mod:`worker.db.uplock`): in the home, or beside the
+        embedded database's folder when ``[database] path`` puts it elsewhere (one per database)."""
+        from worker.db.uplock import LOCK_NAME
+
+        if self.embedded and self.cfg.database.path is not None:
+            return self.pgdata.parent / f"{self.pgdata.name}.{LOCK_NAME}"
+        return self.home / LOCK_NAME
+
+    @property
+    def where(self) -> str:
+        """The database, for a message: ``the embedded database in /x/.fleet/pgdata`` or ``the
+        database fleet on 127.0.0.1:5432`` (never a password)."""
+        if self.embedded:
+            return f"the embedded database in {self.pgdata}"
+        try:
+            parts = conninfo_to_dict(self.cfg.database.url or "")
+        except psycopg.ProgrammingError:
+            return "the database of DATABASE_URL"
+        host = parts.get("host") or "localhost"
+        port = f":{parts['port']}" if parts.get("port") else ""
+        return f"the database {parts.get('dbname') or parts.get('user') or ''} on {host}{port}".replace("  ", " ")
+
     @cached_property
     def url(self) -> str:
         if self.cfg.database.url:
             return self.cfg.database.url
         from worker.db.embedded import embedded_url
 
-        return embedded_url(self.cfg.path(self.cfg.fleet.home))
+        return embedded_url(self.home, pgdata=self.pgdata, say=lambda line: print(line, file=sys.stderr))
 
     def store(self, *, check_schema: bool = True, call_budget: float | None = None) -> PostgresStore:
         """The store (made once). ``call_budget``: see :class:`PostgresStore`.
@@ -70,7 +111,7 @@ class Runtime:
                 missing = pending(conn)
                 ahead = newer(conn)
         except psycopg.OperationalError as exc:
-            raise DatabaseUnavailable(f"cannot connect to the database: {exc}".strip()) from None
+            raise DatabaseUnavailable(f"cannot connect to {self.where}: {exc}".strip()) from None
         if missing:
             raise MigrationError(
                 f"the database lacks {len(missing)} migration(s) ({missing[0].path.name}…)",

@@ -45,9 +45,59 @@ $$;
 revoke all on function fleet.touch_workspace(bigint,uuid,text,text,bigint) from public;
 grant execute on function fleet.touch_workspace(bigint,uuid,text,text,bigint) to fleet_worker, service_role;
 
+-- Where the shift works the task on p_host: the path of its active workspace there in the lane it
+-- is in now (the most recently used, if several), or NULL when it has none. A shift resolves the
+-- directory from this row rather than by computing a name from the key, so a workspace made under
+-- an older naming (`<key made safe>`, before `<slug>-<hash>`) keeps being used by its task.
+-- Fenced by the lease, as touch_workspace.
+create or replace function fleet.task_workspace(p_task bigint, p_token uuid, p_host text)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    t fleet.tasks;
+    v_path text;
+begin
+    t := fleet._fenced(p_task, p_token);
+    select w.path into v_path
+      from fleet.workspaces w
+     where w.task_id = p_task and w.host = p_host and w.lane = t.lane and w.state = 'active'
+     order by w.last_used_at desc, w.id desc
+     limit 1;
+    return v_path;
+end
+$$;
+revoke all on function fleet.task_workspace(bigint,uuid,text) from public;
+grant execute on function fleet.task_workspace(bigint,uuid,text) to fleet_worker, service_role;
+
+-- Whether the active workspace of a task other than p_task on p_host names the directory p_path and keeps it: its
+-- task is live, or finished within its lane's retention. Workspace names carry a hash of the whole
+-- key, so two tasks never get one directory now; an older naming made some keys alike (`coll a`,
+-- `coll_a`), and such a directory is never reaped from under a task that still works in it. One
+-- definition for workspaces_to_reap, workspace_reaped and the usage view.
+create or replace function fleet._workspace_shared(p_task bigint, p_host text, p_path text)
+returns boolean
+language sql
+stable
+as $$
+    select exists (
+        select 1
+          from fleet.workspaces o
+          join fleet.tasks ot on ot.id = o.task_id
+          left join fleet.lanes ol on ol.name = o.lane
+         where o.host = p_host and o.path = p_path and o.state = 'active' and o.task_id <> p_task
+           and coalesce(fleet._workspace_expires_at(ot.state, ot.finished_at, o.last_used_at, ol.config)
+                        > now(), true));
+$$;
+revoke all on function fleet._workspace_shared(bigint,text,text) from public;
+grant execute on function fleet._workspace_shared(bigint,text,text) to fleet_operator, service_role;
+
 -- The host's active workspaces whose task finished more than the lane's retention ago (and that
--- no attempt used since), oldest first, at most p_limit (100 by default, 1000 at most). Only the
--- lanes the caller's key may work.
+-- no attempt used since), oldest first, at most p_limit (100 by default, 1000 at most). Never a
+-- directory another task's workspace still keeps (_workspace_shared). Only the lanes the caller's
+-- key may work.
 create or replace function fleet.workspaces_to_reap(p_host text, p_limit int default 100)
 returns table (id bigint, task_id bigint, lane text, host text, path text, bytes bigint,
                last_used_at timestamptz, task_state text, finished_at timestamptz)
@@ -63,6 +113,7 @@ as $$
      where w.host = p_host
        and w.state = 'active'
        and fleet._workspace_expires_at(t.state, t.finished_at, w.last_used_at, l.config) <= now()
+       and not fleet._workspace_shared(w.task_id, w.host, w.path)
        and fleet._lane_allowed(w.lane)
      order by fleet._workspace_expires_at(t.state, t.finished_at, w.last_used_at, l.config), w.id
      limit least(greatest(coalesce(p_limit, 100), 0), 1000);
@@ -71,7 +122,8 @@ revoke all on function fleet.workspaces_to_reap(text,integer) from public;
 grant execute on function fleet.workspaces_to_reap(text,integer) to fleet_operator, service_role;
 
 -- Mark a workspace reaped, if it still may be: under the task's lock, the task must still be
--- finished past the retention (a task retried since workspaces_to_reap keeps its workspace: false).
+-- finished past the retention (a task retried since workspaces_to_reap keeps its workspace: false),
+-- and no other task's workspace that is kept may name the same directory (false).
 -- The monitor removes the directory only after this returned true. Safe to repeat: a workspace
 -- reaped already answers true as long as its task is still finished past the retention (a call
 -- whose answer was lost on the way is made again; a second monitor finds the directory gone).
@@ -105,6 +157,11 @@ begin
     select config into v_config from fleet.lanes where name = w.lane;
     if fleet._workspace_expires_at(t.state, t.finished_at, w.last_used_at, v_config) is null
        or fleet._workspace_expires_at(t.state, t.finished_at, w.last_used_at, v_config) > now() then
+        return false;
+    end if;
+    -- the directory is another task's too (two keys that an older naming made alike): it stays
+    -- while that task keeps it
+    if fleet._workspace_shared(w.task_id, w.host, w.path) then
         return false;
     end if;
     if w.state = 'reaped' then
@@ -151,14 +208,15 @@ select w.lane,
        coalesce(sum(w.bytes), 0)::bigint as bytes,
        count(*) filter (where x.expires_at is null) as live,
        min(w.last_used_at) as oldest_last_used_at,
-       count(*) filter (where x.expires_at <= now()) as reapable,
-       coalesce(sum(w.bytes) filter (where x.expires_at <= now()), 0)::bigint as reapable_bytes,
+       count(*) filter (where x.expires_at <= now() and not x.shared) as reapable,
+       coalesce(sum(w.bytes) filter (where x.expires_at <= now() and not x.shared), 0)::bigint as reapable_bytes,
        min(x.expires_at) as next_reap_at
   from fleet.workspaces w
   join fleet.tasks t on t.id = w.task_id
   left join fleet.lanes l on l.name = w.lane
   cross join lateral (select fleet._workspace_expires_at(t.state, t.finished_at, w.last_used_at, l.config)
-                             as expires_at) x
+                             as expires_at,
+                             fleet._workspace_shared(w.task_id, w.host, w.path) as shared) x
  where w.state = 'active'
  group by w.lane, w.host;
 comment on view fleet.workspace_usage is

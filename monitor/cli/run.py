@@ -19,11 +19,12 @@ from rich.table import Table
 
 from monitor.dev.demo import demo_finished, demo_states, queue_demo
 from monitor.host import ShiftLauncher, crontab_lines, shift_env
+from monitor.outage import Outage
 from monitor.reconcile import monitor_pass
 from worker.cli.context import JsonOpt, console, err_console, rt
 from worker.config import env_settings, flag_duration
 from worker.db.migrate import migrate as run_migrations
-from worker.errors import FleetError, InvalidInput
+from worker.errors import DatabaseUnavailable, FleetError, InvalidInput
 from worker.models import TASK_STATES, WAITING_STATES, RepairAction
 from worker.runtime import Runtime
 
@@ -160,6 +161,23 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
     return table
 
 
+#: the most seconds one database call of `fleet up` may take (retries included) before its loop
+#: reports the database restarting and tries again later
+UP_CALL_BUDGET = 5.0
+
+
+def hold_up_lock(ctx: typer.Context, r: Runtime) -> None:
+    """One `fleet up` per directory and database: hold ``<home>/up.lock`` until the command ends
+    (:class:`~worker.db.uplock.UpRunning` when another holds it), and name this process's
+    connections ``lanefleet up`` (``fleet db stop`` lists them)."""
+    from worker.db.uplock import UpLock
+
+    lock = UpLock(r.up_lock)
+    lock.acquire(config=str(r.cfg.source) if r.cfg.source else None, database=r.where)
+    ctx.call_on_close(lock.release)
+    os.environ["PGAPPNAME"] = "lanefleet up"
+
+
 def up(
     ctx: typer.Context,
     demo: Annotated[bool, typer.Option("--demo", help="queue example tasks, run until all are done or dead, print a summary")] = False,
@@ -173,12 +191,17 @@ def up(
 
     # lanefleet's own warnings and errors only: the live table is the progress report
     configure_logging(own_level=logging.WARNING)
+    if not os.environ.get("FLEET_LOG_LEVEL"):
+        # a restart of the database is said once (monitor.outage), not by each failed pool connect
+        logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
     r: Runtime = rt(ctx)
+    hold_up_lock(ctx, r)  # before the database: a second `fleet up` here starts nothing
     url = r.url  # starts or reuses the embedded server when no database is configured
     result = run_migrations(url)
+    # calls fail within seconds while the database restarts: the loop below waits it out
+    store = r.store(call_budget=UP_CALL_BUDGET)
     r.sync_lanes()
-    store = r.store()
-    console.print(f"database ready ({'embedded, ' + str(r.cfg.path(r.cfg.fleet.home) / 'pgdata') if r.embedded else 'DATABASE_URL'}); "
+    console.print(f"database ready ({r.where}); "
                   f"{len(result.applied)} migration(s) applied; lanes: {', '.join(sorted(r.cfg.lanes))}",
                   highlight=False)
     prefix = None
@@ -186,8 +209,8 @@ def up(
         prefix = queue_demo(store, r.cfg.lanes)
         shift_seconds = shift_seconds or 10.0
     extra = ["--max-seconds", str(shift_seconds)] if shift_seconds else []
-    launcher = ShiftLauncher(r.cfg, shift_env(r.cfg, url, r.config_path), extra_args=["--poll", "0.2", *extra],
-                             log_dir=r.cfg.path(r.cfg.fleet.home) / "logs")
+    launcher = ShiftLauncher(r.cfg, {**shift_env(r.cfg, url, r.config_path), "PGAPPNAME": "lanefleet shift"},
+                             extra_args=["--poll", "0.2", *extra], log_dir=r.cfg.path(r.cfg.fleet.home) / "logs")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -195,26 +218,39 @@ def up(
     monitor_every = 2.0 if demo else r.cfg.fleet.monitor_every
     next_monitor = 0.0
     finished = False
+    rows: list[dict[str, Any]] = []
     with Live(console=console, refresh_per_second=4, transient=False) as live:
+        outage = Outage(r.where, lambda line: live.console.print(line, highlight=False, soft_wrap=True))
         while not stop.is_set():
-            ready = {row["lane"]: row["ready"] for row in store.query("ready_by_lane")}
-            for lane in sorted(r.cfg.lanes):
-                if ready.get(lane) and launcher.count(lane) == 0:
-                    launcher.launch(lane, ["--once"] if demo else [])
-            if time.monotonic() >= next_monitor:
-                monitor_pass(store, r.cfg)
-                next_monitor = time.monotonic() + monitor_every
-            live.update(summary_table(store.query("lane_summary"),
-                                      f"lanefleet — {time.monotonic() - started:.0f}s"))
-            if prefix is not None:
-                if demo_finished(demo_states(store, prefix)):
-                    finished = True
+            try:
+                ready = {row["lane"]: row["ready"] for row in store.query("ready_by_lane")}
+                for lane in sorted(r.cfg.lanes):
+                    if ready.get(lane) and launcher.count(lane) == 0:
+                        launcher.launch(lane, ["--once"] if demo else [])
+                if time.monotonic() >= next_monitor:
+                    monitor_pass(store, r.cfg)
+                    next_monitor = time.monotonic() + monitor_every
+                rows = store.query("lane_summary")
+                live.update(summary_table(rows, f"lanefleet — {time.monotonic() - started:.0f}s"))
+                if prefix is not None:
+                    if demo_finished(demo_states(store, prefix)):
+                        finished = True
+                        break
+                    if time.monotonic() - started > timeout:
+                        break
+            except DatabaseUnavailable as exc:
+                live.update(summary_table(rows, f"lanefleet — {time.monotonic() - started:.0f}s — reconnecting"))
+                if prefix is not None and time.monotonic() - started > timeout:
                     break
-                if time.monotonic() - started > timeout:
-                    break
+                stop.wait(outage.failed(exc))
+                continue
+            outage.answered()
             stop.wait(0.5)
     launcher.stop_all()
-    rows = store.query("lane_summary")
+    try:
+        rows = store.query("lane_summary")
+    except DatabaseUnavailable as exc:
+        raise DatabaseUnavailable(f"{r.where} did not answer for the summary: {exc}") from None
     console.print(summary_table(rows, "summary"))
     if demo and not finished:
         raise InvalidInput(f"the demo did not finish within {timeout:.0f}s; see {r.cfg.path(r.cfg.fleet.home) / 'logs'}")

@@ -47,7 +47,7 @@ API = {"enqueue_task", "enqueue", "enqueue_after", "open_session", "claim", "hea
        # dispatch and guard rails and the bulk calls
        "block", "throttle", "transient", "drop_session", "resume", "sync_pool", "sync_profile", "task_spend", "set_task_budget",
        "review_approve", "review_reject", "stalled_tasks", "lease_held", "enqueue_many", "complete_many",
-       "touch_workspace", "workspaces_to_reap", "workspace_reaped"}
+       "touch_workspace", "task_workspace", "workspaces_to_reap", "workspace_reaped"}
 
 
 def test_every_fleet_function_is_closed_to_public(conn: psycopg.Connection) -> None:
@@ -288,6 +288,7 @@ def test_lane_checks_on_this_server(conn: psycopg.Connection, world: dict[str, A
         ("select fleet.drop_session(%s, %s, 'gone')", (world["task"], world["token"])),
         ("select fleet.gate_verdict(%s, %s, 'ok')", (world["task"], world["token"])),
         ("select fleet.touch_workspace(%s, %s, 'h', '/w')", (world["task"], world["token"])),
+        ("select fleet.task_workspace(%s, %s, 'h')", (world["task"], world["token"])),
         ("select * from fleet.lease_held(%s, %s)", (world["task"], world["token"])),
     ]
     names = {str(world["task"]): "<task>", str(UNKNOWN): "<task>", str(world["session"]): "<session>",

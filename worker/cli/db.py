@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from worker.cli.context import console, rt
@@ -17,12 +19,34 @@ def db_url(ctx: typer.Context) -> None:
 
 
 @db_app.command("stop")
-def db_stop(ctx: typer.Context) -> None:
-    """Stop the embedded Postgres (if it runs)."""
+def db_stop(
+    ctx: typer.Context,
+    force: Annotated[bool, typer.Option("--force", help="stop it even while `fleet up`, shifts or other clients use it")] = False,
+) -> None:
+    """Stop the embedded Postgres (if it runs), unless `fleet up`, a shift or another client uses it."""
+    from worker.db.embedded import (
+        DatabaseInUse,
+        connections,
+        describe_connections,
+        running_url,
+        stop_embedded,
+    )
+    from worker.db.uplock import holder
+
     r = rt(ctx)
     if not r.embedded:
-        raise InvalidInput("the database is not the embedded one; nothing to stop")
-    from worker.db.embedded import stop_embedded
-
-    stopped = stop_embedded(r.cfg.path(r.cfg.fleet.home))
-    console.print("stopped" if stopped else "not running")
+        raise InvalidInput(f"{r.where} is not the embedded one (DATABASE_URL or [database] url); nothing to stop")
+    url = running_url(r.pgdata, "postgres")
+    if url is None:
+        console.print(f"not running: {r.where}", highlight=False)
+        return
+    up = holder(r.up_lock)
+    users = connections(url)
+    if not force and (up is not None or users):
+        who = [f"`fleet up` ({up.describe()})"] if up is not None else []
+        if users:
+            who.append(describe_connections(users))
+        raise DatabaseInUse(f"{r.where} is in use: {' and '.join(who)}",
+                            "stop them first, or `fleet db stop --force`: a running `fleet up` then waits for it to come back")
+    stopped = stop_embedded(r.home, pgdata=r.pgdata)
+    console.print(f"{'stopped' if stopped else 'not running'}: {r.where}", highlight=False)

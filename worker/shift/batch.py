@@ -51,7 +51,7 @@ from worker.models import Task
 from worker.shift.dispatch import Dispatch, classify_gate, resolve
 from worker.shift.progress import Marks, over_budget, progress_marks, waiting_for
 from worker.store.protocol import Store
-from worker.workspace.folder import Workspace, prepare, safe_name, workspace_for
+from worker.workspace.folder import Workspace, batch_workspace, prepare, safe_name
 
 if TYPE_CHECKING:
     from worker.workspace.git import Mirror
@@ -233,7 +233,7 @@ class BatchRunner:
         self.batch = self.shift.store.batch_call("batch_get", {"p_batch": self.batch_id}, idempotent=True)
 
     def _ws(self, m: dict[str, Any]) -> Any:
-        return workspace_for(self.shift.workspaces, self.shift.lane_name,
+        return batch_workspace(self.shift.workspaces, self.shift.lane_name,
                              f"batch-{self.batch_id}-m{m['n']}-{m['key']}")
 
     def _next(self) -> None:
@@ -453,7 +453,7 @@ class BatchRunner:
     def _tail_ws(self) -> Any:
         from worker.workspace.git import ensure_task_worktree
 
-        ws = workspace_for(self.shift.workspaces, self.shift.lane_name, f"batch-{self.batch_id}")
+        ws = batch_workspace(self.shift.workspaces, self.shift.lane_name, f"batch-{self.batch_id}")
         ensure_task_worktree(self.shift.mirror(), ws.root, self.batch["integration_branch"], self.lane.base)
         return ws
 
@@ -540,7 +540,7 @@ class BatchRunner:
         self._call("batch_finish", p_report=report)
         self.log.info("batch done", landed=report["landed"], evicted=report["evicted"])
         self.shift.count("done")
-        ws = workspace_for(self.shift.workspaces, self.shift.lane_name, f"batch-{self.batch_id}")
+        ws = batch_workspace(self.shift.workspaces, self.shift.lane_name, f"batch-{self.batch_id}")
         try:
             remove_worktree(self.shift.mirror(), ws.root)
         except FleetError as exc:

@@ -53,7 +53,7 @@ from worker.shift.limits import judge
 from worker.shift.progress import Marks, over_budget, progress_marks, waiting_for
 from worker.store.protocol import Store
 from worker.workspace.disk import disk_use
-from worker.workspace.folder import Workspace, prepare, safe_name, workspace_for
+from worker.workspace.folder import Workspace, prepare, resolve_workspace, safe_name
 
 if TYPE_CHECKING:
     from worker.workspace.git import Mirror
@@ -317,7 +317,7 @@ class Shift:
             self._kill(old, old.killed or "lost")
             self._finish(old, old.agent.wait(30))
         log = self.log.bind(task=task.id, key=task.key, attempt=task.attempts)
-        ws = workspace_for(self.workspaces, self.lane_name, task.key)
+        ws = self._workspace(task, log)
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
         log_path = self.workspaces / self.lane_name / "logs" / f"{task.id}-{safe_name(task.key)}-a{task.attempts}-{stamp}.log"
         d = resolve(self.cfg, self.lane_name, task.run_profile, task.tier, task.pool)
@@ -548,6 +548,18 @@ class Shift:
             self.log.info("branch pushed", task=job.task.id, branch=self._branch(job.task), head=str(sha)[:12])
         except FleetError as exc:
             self.log.warning("could not push the task's branch", task=job.task.id, error=str(exc))
+
+    def _workspace(self, task: Task, log: Any) -> Workspace:
+        """The task's directory on this host: the one its row names (a workspace made under an
+        older naming keeps being used), else a new ``<slug>-<hash>``. Best effort: without an
+        answer from the database, the new name."""
+        recorded = None
+        if task.lease_token is not None:
+            try:
+                recorded = self.store.task_workspace(task.id, task.lease_token, self.host)
+            except Exception as exc:  # the lookup never costs the attempt (its touch records the path)
+                log.warning("could not look up the task's workspace", error=str(exc))
+        return resolve_workspace(self.workspaces, self.lane_name, task.key, recorded)
 
     def _touch_workspace(self, task: Task, ws: Workspace) -> None:
         """Record the task's workspace on this host with its size (fleet.workspaces), at the start

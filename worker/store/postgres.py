@@ -380,6 +380,12 @@ class PostgresStore(NamedReads):
         return int(self._one("select fleet.touch_workspace(%s, %s, %s, %s, %s::bigint)",
                              (task, token, host, path, size)))
 
+    def task_workspace(self, task: int, token: UUID, host: str) -> str | None:
+        """The path of the task's active workspace on ``host`` in its lane (fenced by the lease),
+        or None: where a shift works it, instead of a name computed from its key."""
+        path = self._one("select fleet.task_workspace(%s, %s, %s)", (task, token, host))
+        return None if path is None else str(path)
+
     def workspaces_to_reap(self, host: str, limit: int = 100) -> list[dict[str, Any]]:
         """The host's workspaces whose task has been finished for longer than its lane's retention."""
         return self._run("select * from fleet.workspaces_to_reap(%s, %s::int)", (host, limit))

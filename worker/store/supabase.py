@@ -372,6 +372,10 @@ class SupabaseStore(NamedReads):
         return int(self._rpc("touch_workspace", {"p_task": task, "p_token": str(token), "p_host": host,
                                                  "p_path": path, "p_bytes": size}))
 
+    def task_workspace(self, task: int, token: UUID, host: str) -> str | None:
+        path = self._rpc("task_workspace", {"p_task": task, "p_token": str(token), "p_host": host})
+        return None if path is None else str(path)
+
     def workspaces_to_reap(self, host: str, limit: int = 100) -> list[dict[str, Any]]:
         rows = self._rpc("workspaces_to_reap", {"p_host": host, "p_limit": limit})
         return [_times(dict(r)) for r in rows or []]

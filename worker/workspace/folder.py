@@ -1,4 +1,10 @@
-"""A task's workspace: ``<workspaces>/<lane>/<task key>/`` with its hidden files and its prompt.
+"""A task's workspace: ``<workspaces>/<lane>/<slug>-<hash>/`` with its hidden files and its prompt.
+
+The directory's name is a readable slug of the task's key and the first 8 hex digits of the
+SHA-256 of the whole key (``coll a`` → ``coll_a-…``, ``coll_a`` → ``coll_a-…``, two directories):
+keys that make the same slug never share a workspace. A workspace made under the older naming (the
+slug alone) is found through the task's row in ``fleet.workspaces`` and used on
+(:func:`resolve_workspace`), never recomputed from the key.
 
 Hidden files (DESIGN §6) come from ``hidden_files/<set>/`` and land in ``<workspace>/.<set>/``;
 ``{{name}}`` in a template is replaced by the task's values. Rendering never overwrites a file
@@ -12,6 +18,7 @@ for the lane's retention (:mod:`worker.workspace.disk`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -31,9 +38,17 @@ MANIFEST = "rendered.json"
 
 
 def safe_name(key: str) -> str:
-    """A file-system name for a task key (``issue:473`` → ``issue_473``)."""
+    """A file-system name for a task key (``issue:473`` → ``issue_473``). Not unique: ``issue 473``
+    makes the same; a name that must be unique per key is :func:`workspace_name`."""
     name = _UNSAFE.sub("_", key).strip("._") or "task"
     return name[:120]
+
+
+def workspace_name(key: str) -> str:
+    """A task's directory name: ``<slug>-<8 hex digits of sha256(key)>`` (``issue:473`` →
+    ``issue_473-…``). Unique per key by construction, up to a collision of the hash among keys
+    of the same slug."""
+    return f"{safe_name(key)[:100]}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
 
 def write_private(path: Path, text: str) -> None:
@@ -94,7 +109,28 @@ class Workspace:
 
 
 def workspace_for(workspaces: Path, lane: str, key: str) -> Workspace:
-    return Workspace(workspaces / lane / safe_name(key))
+    """The workspace a task of ``key`` gets in ``lane`` when it has none recorded on the host."""
+    return Workspace(workspaces / lane / workspace_name(key))
+
+
+def resolve_workspace(workspaces: Path, lane: str, key: str, recorded: str | None) -> Workspace:
+    """The task's workspace: the directory its row in ``fleet.workspaces`` names (``recorded``,
+    from ``fleet.task_workspace``) when that is one of the lane's under this workspaces root — a
+    running task made under the older naming keeps its directory —, else :func:`workspace_for`.
+    (A recorded path elsewhere, under a root the config no longer names, is left to be reaped.)"""
+    if recorded:
+        path = Path(recorded)
+        if path.is_absolute() and path.parent == Path(os.path.abspath(workspaces / lane)) \
+                and path.name not in ("", ".", ".."):
+            return Workspace(path)
+    return workspace_for(workspaces, lane, key)
+
+
+def batch_workspace(workspaces: Path, lane: str, name: str) -> Workspace:
+    """A batch's own worktree (``batch-<id>``, ``batch-<id>-m<n>-<key>``), named as before task
+    directories carried a hash: the batch id and member number make it unique, and a task's
+    directory has this name only if its key's hash happened to spell the name's end."""
+    return Workspace(workspaces / lane / safe_name(name))
 
 
 def render_hidden_files(ws: Workspace, sets: list[str], values: Mapping[str, str]) -> list[Path]:
