@@ -332,6 +332,43 @@ def test_a_sandboxed_agent_commits_in_its_git_worktree(db_url: str, place: Path)
         fleet.close()
 
 
+@needs_bwrap
+def test_a_sandboxed_agent_works_in_its_mirror_but_cannot_read_origins_url(db_url: str, place: Path) -> None:
+    """The mirror is bound read-write (commits go there); the file holding origin's URL, which may
+    carry a token, is an empty file to the agent, and its git works all the same."""
+    from gitkit import bare_origin
+
+    marker = uuid.uuid4().hex[:10]
+    origin = bare_origin(place / "origin")
+    fleet = make_fleet(db_url, place, {"command": PROBE, "sandbox": "bwrap", "repo": str(origin)})
+    try:
+        fleet.enqueue("work", "first", {})  # makes the mirror
+        assert run_shift(fleet, shift_env(fleet, place), place).returncode == 0
+        (url_file,) = (place / "git").rglob("origin-url.config") if (place / "git").exists() else place.rglob(
+            "origin-url.config")
+        assert str(origin) in url_file.read_text() and url_file.stat().st_mode & 0o777 == 0o600
+        with url_file.open("a") as fh:  # what a token in the URL would be
+            fh.write(f"# SECRET-{marker}\n")
+        config = url_file.with_name("config")
+        task = fleet.enqueue("work", "attack", {
+            "read": [str(url_file), str(config)],
+            "run": [["git", "config", "--get", "remote.origin.url"], ["git", "status", "--short"],
+                    ["git", "log", "--oneline", "-1"]]})
+        done = run_shift(fleet, shift_env(fleet, place), place)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert fleet.task(task)["state"] == "done", fleet.task(task)["last_error"]
+        out = probed(fleet, "attack")
+        assert f"SECRET-{marker}" not in json.dumps(out) and str(origin) not in json.dumps(out["run"])
+        assert out["read"][str(url_file)] == {"ok": True, "text": ""}
+        assert "include" in out["read"][str(config)]["text"]  # the mirror's own config is there
+        url, status, log = out["run"]
+        assert (url["rc"], url["stdout"]) == (1, ""), url  # no URL to be had
+        assert status["rc"] == 0 and log["rc"] == 0 and log["stdout"], (status, log)
+        assert f"SECRET-{marker}" in url_file.read_text()  # the shift's own copy is untouched
+    finally:
+        fleet.close()
+
+
 def test_a_real_agent_cli_runs_sandboxed_unless_its_lane_or_profile_says_none(tmp_path: Path) -> None:
     from worker.agent.sandbox import rules_for
     from worker.config import load_config
@@ -373,7 +410,8 @@ def test_every_file_the_fleet_writes_with_a_key_or_password_in_it_is_mode_0600(s
     }
     mirror = Mirror(tmp_path / "git", str(bare_origin(tmp_path)))
     mirror.ensure()
-    secret_files["a repository mirror's config (the remote's URL, which may carry a token)"] = mirror.path / "config"
+    secret_files["a repository mirror's config"] = mirror.path / "config"
+    secret_files["a repository mirror's origin URL (which may carry a token)"] = mirror.origin_url_file
     # a task's workspace and its run: the lease token (task.json), what the agent printed (its log)
     fleet = make_fleet(db_url, place, {"command": ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]})
     try:

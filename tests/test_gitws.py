@@ -120,6 +120,27 @@ def test_mirror_names_keep_repos_apart(tmp_path: Path) -> None:
 # task worktrees
 
 
+def test_origins_url_lives_apart_from_the_mirrors_config_also_in_a_mirror_made_before(
+        mirror: Mirror, origin: Path) -> None:
+    """The URL may carry a token: its own 0600 file, included by the config (which the sandbox
+    leaves an agent), never in the config itself. A mirror made when the URL was in its config
+    moves it out at its next fetch."""
+    mirror.ensure()
+    config = (mirror.path / "config").read_text()
+    assert str(origin) not in config and "origin-url.config" in config
+    assert str(origin) in mirror.origin_url_file.read_text()
+    assert mirror.origin_url_file.stat().st_mode & 0o777 == 0o600
+    assert mirror.git("config", "--get", "remote.origin.url").strip() == str(origin)
+    # as an older lanefleet made it
+    mirror.origin_url_file.unlink()
+    git("--git-dir", str(mirror.path), "config", "--unset-all", "include.path")
+    git("--git-dir", str(mirror.path), "config", "remote.origin.url", str(origin))
+    mirror.fetch()
+    assert str(origin) not in (mirror.path / "config").read_text()
+    assert mirror.git("config", "--get-all", "remote.origin.url").split() == [str(origin)]
+    assert mirror.git("config", "--get-all", "include.path").split() == ["origin-url.config"]
+
+
 def test_worktree_is_created_on_its_branch_from_base_in_a_mirror_that_fetches_to_remotes(
         mirror: Mirror, origin: Path, tmp_path: Path) -> None:
     path = tmp_path / "ws" / "docs" / "issue-1"

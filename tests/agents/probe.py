@@ -7,6 +7,7 @@ to try; everything it found goes to ``probe.json`` in the workspace:
 - ``read``: paths to read — a file's text, or a folder's files (walked, each one read);
 - ``write``: paths to write a line to (``ok`` or the error);
 - ``guard``: run ``fleet guard -- true`` (its exit code and stderr);
+- ``run``: commands to run in the workspace (each an argv: its exit code, stdout and stderr);
 - ``procs``: read the environment of every process it can see in /proc;
 - ``linger``: start a process that leaves the agent's session and process group (a daemon
   sleeping with the marker ``linger`` in its command line), then wait for SIGTERM: write
@@ -52,6 +53,13 @@ def main() -> int:
     out: dict[str, Any] = {"env": dict(os.environ), "cwd": os.getcwd()}
     out["read"] = {p: read(p) for p in payload.get("read", [])}
     out["write"] = {p: write(p) for p in payload.get("write", [])}
+    out["run"] = []
+    for argv in payload.get("run", []):
+        try:
+            ran = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            out["run"].append({"rc": ran.returncode, "stdout": ran.stdout, "stderr": ran.stderr})
+        except OSError as exc:
+            out["run"].append({"rc": None, "stdout": "", "stderr": repr(exc)})
     if payload.get("procs"):
         out["procs"] = {}
         for entry in Path("/proc").iterdir():

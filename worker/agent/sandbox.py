@@ -14,7 +14,8 @@ halves keep the fleet's credentials out of its reach:
   file, every ``agent_env_file``, ``.env`` beside the config, the fleet's home (``.fleet/``: the
   embedded database, the dev stack's keys, logs), the workspaces root (every other task), the git
   cache, ``PGPASSFILE``; its own workspace read-write; the shift's guard socket, so that ``fleet
-  guard`` works; the lane's repository mirror read-write (commits go there); the shift's Python
+  guard`` works; the lane's repository mirror read-write (commits go there) but for the file that
+  holds origin's URL (it may carry a token; the shift fetches and pushes); the shift's Python
   and lanefleet read-only where they were under something hidden. The network is kept: agents
   call their APIs.
 
@@ -316,10 +317,11 @@ class Sandbox:
         return workspace / TASK_HOME
 
     def argv(self, rules: AgentRules, workspace: Path, *, program: str | None = None,
-             writable: Iterable[Path] = ()) -> list[str]:
+             writable: Iterable[Path] = (), secret: Iterable[Path] = ()) -> list[str]:
         """``bwrap … --`` for an agent working in ``workspace`` (made first: its HOME folder).
         ``program``: the agent's executable as found on its PATH, shown again if it lies under
-        something hidden; ``writable``: more folders it works in (the lane's git mirror)."""
+        something hidden; ``writable``: more folders it works in (the lane's git mirror);
+        ``secret``: files in them it must not read (the mirror's origin URL, which may hold a token)."""
         ws = Path(os.path.abspath(workspace))
         v = _View()
         v.bind(Path("/"), Path("/"), rw=False)
@@ -355,6 +357,15 @@ class Sandbox:
                     v.bind(p, p, rw=False)
         for p in writable:
             v.bind(p, p, rw=True)
+        secret = [Path(os.path.abspath(p)) for p in secret if p.exists()]
+        if secret:
+            # an empty file, not /dev/null: git reads these (the mirror's config includes its URL
+            # file), and a file it cannot open is a fatal "bad config" to it; an empty one is not
+            empty = ws / ".fleet" / "empty"
+            empty.parent.mkdir(parents=True, exist_ok=True)
+            empty.write_bytes(b"")
+            for p in secret:
+                v.bind(empty, p, rw=False)
         if self.guard_dir is not None:
             v.bind(self.guard_dir, self.guard_dir, rw=False)
         v.bind(ws, ws, rw=True)

@@ -501,8 +501,10 @@ class Shift:
             program = shutil.which(name, path=env.get("PATH", os.defpath))
             if program is None:
                 raise FileNotFoundError(2, "command not found", argv[0])
+            mirror = self.mirror() if self.lane.repo else None
             prefix = self.sandbox().argv(rules, cwd, program=program,
-                                         writable=[self.mirror().path] if self.lane.repo else [])
+                                         writable=[mirror.path] if mirror else [],
+                                         secret=[mirror.origin_url_file] if mirror else [])
         proc = AgentProcess(argv, cwd=cwd, env=env, log_path=log_path, stdin=stdin, sandbox=prefix)
         if self._fence.term_at is not None and self._fence.kill_at is not None:
             proc.fence(self._fence.term_at, self._fence.kill_at)

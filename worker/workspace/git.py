@@ -55,6 +55,8 @@ from worker.errors import FleetError
 GIT_TIMEOUT = 600.0
 #: seconds to wait for another process's fetch or clone of the same mirror
 LOCK_TIMEOUT = 900.0
+#: beside the mirror's config, which includes it: origin's URL (see :attr:`Mirror.origin_url_file`)
+ORIGIN_URL_FILE = "origin-url.config"
 FETCH_REFSPECS = ("+refs/heads/*:refs/remotes/origin/*", "+refs/tags/*:refs/tags/*")
 #: written into the mirror's info/exclude: what lanefleet renders into a worktree is never committed
 DEFAULT_EXCLUDES = ("/.fleet/",)
@@ -380,6 +382,8 @@ class Mirror:
                 self._create()
                 return
             self._write_excludes(self.path)
+            if not (self.path / ORIGIN_URL_FILE).is_file():  # a mirror made before the URL moved out
+                self._write_origin_url(self.path)
             self.run("fetch", "--prune", "--quiet", "origin")
 
     def _create(self) -> None:
@@ -389,13 +393,12 @@ class Mirror:
         tmp = self.cache_dir / f".{self.path.name}.tmp-{os.getpid()}-{secrets.token_hex(3)}"
         try:
             run_git(["init", "--bare", "--quiet", str(tmp)], timeout=self.timeout, where=self.where)
-            self.run("config", "remote.origin.url", self.repo, git_dir=tmp)
+            self._write_origin_url(tmp)
             self.run("config", "remote.origin.fetch", FETCH_REFSPECS[0], git_dir=tmp)
             for spec in FETCH_REFSPECS[1:]:
                 self.run("config", "--add", "remote.origin.fetch", spec, git_dir=tmp)
             # reflogs for the worktree branches: how an operator finds a lost commit again
             self.run("config", "core.logAllRefUpdates", "true", git_dir=tmp)
-            # the repository's URL may carry a token (https://user:token@host/…): its owner's alone
             os.chmod(tmp / "config", 0o600)
             self._write_excludes(tmp)
             self.run("fetch", "--prune", "--quiet", "origin", git_dir=tmp)
@@ -403,6 +406,22 @@ class Mirror:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+    @property
+    def origin_url_file(self) -> Path:
+        """The file that holds origin's URL, which may carry a token (``https://user:token@host/…``):
+        apart from the mirror's ``config`` (which includes it), so that the sandbox can hide it from
+        an agent that works in the mirror; mode 0600."""
+        return self.path / ORIGIN_URL_FILE
+
+    def _write_origin_url(self, git_dir: Path) -> None:
+        url_file = git_dir / ORIGIN_URL_FILE
+        os.close(os.open(url_file, os.O_WRONLY | os.O_CREAT, 0o600))
+        self.run("config", "--file", str(url_file), "remote.origin.url", self.repo, git_dir=git_dir)
+        os.chmod(url_file, 0o600)  # (git writes a file anew: keep it the owner's alone)
+        self.run("config", "--unset-all", "remote.origin.url", ok=(0, 5), git_dir=git_dir)
+        if ORIGIN_URL_FILE not in self.run("config", "--get-all", "include.path", ok=(0, 1), git_dir=git_dir)[1].split():
+            self.run("config", "--add", "include.path", ORIGIN_URL_FILE, git_dir=git_dir)
 
     def _write_excludes(self, git_dir: Path) -> None:
         if not self.excludes:
