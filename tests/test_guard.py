@@ -29,8 +29,9 @@ from fleetkit import ROOT, Backend, Fleet, lane_defaults, wait_for
 
 from worker.errors import DatabaseUnavailable
 from worker.models import LeaseAnswer
-from worker.shift import guard as guard_mod
-from worker.shift.guard import EX_NOPERM, EX_TEMPFAIL, GuardServer, ask, private_run_dir, verdict
+from worker.shift import guard_client as guard_mod
+from worker.shift.guard import GuardServer, private_run_dir, sweep_stale
+from worker.shift.guard_client import EX_NOPERM, EX_TEMPFAIL, ask, verdict
 from worker.shift.shift import Shift, ShiftSummary
 
 # The scripted agent: two guarded commands while the lease holds (one exits 0, one exits 3), then it
@@ -424,7 +425,7 @@ def test_run_dirs_of_dead_shifts_are_swept_and_no_other(tmp_path: Path) -> None:
         live.start()
         try:
             os.utime(base / "lanefleet-guard-live0001", (old, old))
-            removed = guard_mod.sweep_stale(base)
+            removed = sweep_stale(base)
             assert sorted(removed) == sorted([dead, no_socket])
             assert not dead.exists() and not no_socket.exists()
             assert young.exists() and foreign.exists() and other.exists()

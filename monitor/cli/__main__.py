@@ -1,5 +1,5 @@
 """``python -m monitor.cli``: the ``fleet`` command (how shifts, tests and benches start it)."""
 
-from monitor.cli.app import main
+from monitor.cli.entry import main
 
 main()

@@ -27,7 +27,7 @@ command: Callable[..., None]
 
 # the worker side
 for command in (migrate.migrate, tasks.enqueue, tasks.tasks, tasks.show, tasks.cancel, tasks.retry,
-                shift.shift, shift.checkpoint):
+                shift.shift):
     app.command()(command)
 app.add_typer(migrate.lanes_app, name="lanes")
 app.add_typer(db.db_app, name="db")
@@ -38,8 +38,9 @@ app.add_typer(dispatch.pools_app, name="pools")
 app.command("resume")(tasks.resume)
 app.add_typer(review.review_app, name="review")
 app.add_typer(batch.batch_app, name="batch")
-# options end at CMD: `fleet guard git push -f` passes -f to git
-app.command("guard", context_settings={"allow_interspersed_args": False})(guard.guard)
+# agents' commands: their own parsers (worker.cli.agent_calls); options end at CMD
+app.command("checkpoint", context_settings=guard.PASS_ON, add_help_option=False)(guard.checkpoint)
+app.command("guard", context_settings=guard.PASS_ON, add_help_option=False)(guard.guard)
 
 # the monitor side
 for command in (run.monitor, run.run, run.crontab, run.up, dashboards.status, dashboards.stats,

@@ -26,7 +26,7 @@ from conftest import dbname_of
 from fleetkit import ROOT, Backend, Fleet, alive, lane_defaults, wait_for
 
 from partition.netns import Lines, PartitionHost
-from worker.shift.guard import EX_TEMPFAIL
+from worker.shift.guard_client import EX_TEMPFAIL
 
 LEASE = 6
 

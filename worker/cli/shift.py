@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from worker.cli.context import console, rt
+from worker.cli.context import rt
 
 
 def shift(
@@ -33,14 +32,3 @@ def shift(
     s.install_signal_handlers()
     summary = s.run()
     raise typer.Exit(summary.exit_code)
-
-
-def checkpoint(
-    data: Annotated[str, typer.Option("--data", "-d", help="the checkpoint, a JSON value (or @file)")],
-    workspace: Annotated[Path | None, typer.Option(envvar="FLEET_WORKSPACE", help="the task workspace [env: FLEET_WORKSPACE]")] = None,
-) -> None:
-    """For agents: save a checkpoint; the shift stores it at its next heartbeat."""
-    from worker.workspace.folder import save_checkpoint
-
-    save_checkpoint(workspace, data)
-    console.print("checkpoint saved; stored at the next heartbeat")

@@ -12,7 +12,7 @@ worker/agent/executor.py; under bwrap they cannot read the fleet's files), so th
   database at that moment (``fleet.lease_held``: running under exactly that token, its session
   active, its lease not run out by the database's clock, and for how many more seconds). A
   database error is an answer too: not confirmed, with the reason.
-- ``fleet guard`` (the CLI command, run by the agent) reads ``FLEET_GUARD_SOCKET``,
+- ``fleet guard`` (the CLI command, run by the agent: :mod:`worker.shift.guard_client`) reads ``FLEET_GUARD_SOCKET``,
   ``FLEET_TASK_ID`` and ``FLEET_LEASE_TOKEN`` (the shift puts them in every agent's
   environment), asks, and times its own round trip on a monotonic clock. The database's
   ``valid_for`` counts from a moment after the question was sent, so the lease certainly holds for
@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
 import shutil
 import socket
 import socketserver
@@ -55,7 +54,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 from uuid import UUID
@@ -64,8 +62,6 @@ import structlog
 
 from worker.store.protocol import Store
 
-EX_NOPERM = 77  # sysexits.h: "permission denied" — the task is not yours any more
-EX_TEMPFAIL = 75  # sysexits.h: "temporary failure" — the lease could not be confirmed now: retry
 SOCKET_NAME = "guard.sock"
 _PREFIX = "lanefleet-guard-"
 # AF_UNIX paths are at most 107 bytes (108 with the NUL); keep a margin
@@ -281,101 +277,3 @@ class GuardServer:
                     self.socket_path.unlink()
         if self._own_dir is not None:
             shutil.rmtree(self._own_dir, ignore_errors=True)
-
-
-# -- the agent's side
-
-
-def ask(socket_path: str, task: int, token: str, timeout: float) -> dict[str, Any]:
-    """One request to a shift's guard; its answer. Raises OSError (nothing answers, a timeout) or
-    ValueError (an answer that is not ours)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(socket_path)
-        s.sendall(json.dumps({"task": task, "token": token}).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n") and len(data) < 65536:
-            chunk = s.recv(4096)
-            if not chunk:
-                break
-            data += chunk
-    answer = json.loads(data)
-    if not isinstance(answer, dict) or "held" not in answer:
-        raise ValueError(f"not a guard answer: {data[:200]!r}")
-    return answer
-
-
-def verdict(answer: dict[str, Any], round_trip: float) -> tuple[int | None, str]:
-    """What an answer allows, given the round trip (seconds, monotonic) it took: (None, "") to run
-    CMD, else (exit code, why). The database measured ``valid_for`` from a moment after the
-    question left, so the lease holds at least ``valid_for - round_trip`` seconds more."""
-    if answer.get("error"):
-        return EX_TEMPFAIL, f"the lease could not be confirmed now ({answer['error']}); retry"
-    state = answer.get("state")
-    if answer.get("held") is True:
-        try:
-            valid_for = float(answer.get("valid_for"))  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            return EX_TEMPFAIL, "the shift's answer says nothing of how long the lease holds; retry"
-        if round_trip < valid_for:
-            return None, ""
-        return EX_TEMPFAIL, (f"the answer took {round_trip:.1f} s, longer than the {valid_for:.1f} s the lease "
-                             "held for when it was given: it is stale; retry")
-    if state == "running" and answer.get("token_matches") is True:
-        return EX_TEMPFAIL, ("the lease ran out and its shift has not renewed it yet (the shift stops its agents "
-                             "before a repair can take the task); retry")
-    if state == "running":
-        return EX_NOPERM, "lease lost: its lease was repaired and another worker holds the task now"
-    if state == "unknown":
-        return EX_NOPERM, "lease lost: the task no longer exists"
-    return EX_NOPERM, f"lease lost: the task is {state} now"
-
-
-def run_guarded(cmd: list[str], *, task: str | None, token: str | None, socket_path: str | None,
-                timeout: float, quiet: bool, clock: Callable[[], float] = time.monotonic) -> int:
-    """``fleet guard``: run CMD in this process (it never returns then) if the shift's guard says
-    the task's lease holds for longer than the question took; else the exit code to end with (77:
-    not yours, 75: could not confirm now, see the module doc; one line on stderr unless ``quiet``;
-    127 or 126 when CMD cannot be run)."""
-    what = shlex.join(cmd)
-    if len(what) > 200:
-        what = what[:197] + "..."
-
-    def refuse(why: str, code: int = EX_NOPERM) -> int:
-        if not quiet:
-            print(f"fleet guard: {why}; `{what}` not run (exit {code})", file=sys.stderr, flush=True)
-        return code
-
-    if not task or not token:
-        return refuse("not inside a fleet task (FLEET_TASK_ID and FLEET_LEASE_TOKEN are not set)")
-    key = os.environ.get("FLEET_TASK_KEY")
-    name = f"task {task}" + (f" ({key})" if key else "")
-    try:
-        task_id = int(task)
-    except ValueError:
-        return refuse(f"not inside a fleet task (FLEET_TASK_ID is {task!r}, not a task id)")
-    if not socket_path:
-        return refuse(f"{name}: the shift is gone or runs no guard (FLEET_GUARD_SOCKET is not set)")
-    asked = clock()
-    try:
-        answer = ask(socket_path, task_id, token, timeout)
-    except TimeoutError:
-        return refuse(f"{name}: the shift did not answer within {timeout:g} s; retry", EX_TEMPFAIL)
-    except (FileNotFoundError, ConnectionRefusedError):
-        return refuse(f"{name}: the shift is gone (nothing answers at {socket_path})")
-    except (OSError, ValueError) as exc:
-        return refuse(f"{name}: the shift's guard could not be asked ({exc}); retry", EX_TEMPFAIL)
-    code, why = verdict(answer, clock() - asked)
-    if code is not None:
-        return refuse(f"{name}: {why}", code)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        os.execvp(cmd[0], cmd)  # CMD replaces this process: its streams, its exit code, its signals
-    except FileNotFoundError:
-        print(f"fleet guard: {cmd[0]}: command not found", file=sys.stderr)
-        return 127
-    except OSError as exc:
-        print(f"fleet guard: {cmd[0]}: {exc.strerror or exc}", file=sys.stderr)
-        return 126
-    raise AssertionError("unreachable")  # pragma: no cover - execvp returns only by raising

@@ -28,9 +28,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from worker.errors import InvalidInput
 from worker.models import LaneHandoff, Task
 from worker.resources import resource_dir
+from worker.workspace.files import write_atomic, write_private
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _VAR = re.compile(r"\{\{(\w+)\}\}")
@@ -49,22 +49,6 @@ def workspace_name(key: str) -> str:
     ``issue_473-…``). Unique per key by construction, up to a collision of the hash among keys
     of the same slug."""
     return f"{safe_name(key)[:100]}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write a file only its owner can read, atomically."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)
@@ -260,19 +244,3 @@ def prepare(ws: Workspace, task: Task, *, instructions: str, lane_handoff: LaneH
         ws.checkpoint_file.unlink(missing_ok=True)
     ws.route_file.unlink(missing_ok=True)
     write_atomic(ws.prompt_file, build_prompt(task, instructions, lane_handoff))
-
-
-def save_checkpoint(workspace: Path | None, data: str) -> None:
-    """``fleet checkpoint``, an agent's call: write ``data`` (a JSON value, or ``@file``) as the
-    checkpoint of the task ``workspace``; the shift stores it at its next heartbeat."""
-    if workspace is None:
-        raise InvalidInput("no workspace: run this inside a task (FLEET_WORKSPACE) or pass --workspace")
-    text = Path(data[1:]).read_text() if data.startswith("@") else data
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidInput(f"--data is not valid JSON: {exc.msg}") from None
-    folder = workspace / ".fleet"
-    if not folder.is_dir():
-        raise InvalidInput(f"{workspace} is not a task workspace (no .fleet/ folder)")
-    write_atomic(folder / "checkpoint.json", json.dumps(value))
