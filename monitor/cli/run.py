@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -22,7 +23,6 @@ from monitor.host import ShiftLauncher, crontab_lines, shift_env
 from monitor.reconcile import monitor_pass
 from worker.cli.context import JsonOpt, console, err_console, rt
 from worker.config import env_settings, flag_duration
-from worker.db.migrate import migrate as run_migrations
 from worker.errors import FleetError, InvalidInput
 from worker.models import TASK_STATES, WAITING_STATES, RepairAction
 from worker.runtime import Runtime
@@ -129,7 +129,7 @@ def crontab(
     ctx: typer.Context,
     lock_dir: Annotated[Path | None, typer.Option(help="where lock and log files go (default: <home>/cron)")] = None,
 ) -> None:
-    """Print system crontab lines equivalent to `fleet run` (absolute paths, flock overlap guards)."""
+    """Print system crontab lines equivalent to fleet run (absolute paths, flock overlap guards)."""
     r = rt(ctx)
     fleet_bin = shutil.which("fleet") or str(Path(sys.executable).with_name("fleet"))
     folder = (lock_dir or r.cfg.path(r.cfg.fleet.home) / "cron").resolve()
@@ -146,6 +146,12 @@ def crontab(
     for line in crontab_lines(r.cfg, fleet_bin=fleet_bin, workdir=r.cfg.base_dir, config=r.cfg.source,
                               lock_dir=folder):
         print(line)
+
+
+def _invocation() -> str:
+    """How the user runs fleet: ``uv run fleet`` when uv started this process (in a checkout, the
+    only way on a fresh machine), else ``fleet`` (installed, or a venv activated)."""
+    return "uv run fleet" if os.environ.get("UV_RUN_RECURSION_DEPTH") else "fleet"
 
 
 def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
@@ -175,12 +181,11 @@ def up(
     configure_logging(own_level=logging.WARNING)
     r: Runtime = rt(ctx)
     url = r.url  # starts or reuses the embedded server when no database is configured
-    result = run_migrations(url)
+    result = r.migrate()
     r.sync_lanes()
     store = r.store()
-    console.print(f"database ready ({'embedded, ' + str(r.cfg.path(r.cfg.fleet.home) / 'pgdata') if r.embedded else 'DATABASE_URL'}); "
-                  f"{len(result.applied)} migration(s) applied; lanes: {', '.join(sorted(r.cfg.lanes))}",
-                  highlight=False)
+    console.print(f"{r.database[:1].upper()}{r.database[1:]} is ready; {len(result.applied)} migration(s) applied; "
+                  f"lanes: {', '.join(sorted(r.cfg.lanes))}", highlight=False, soft_wrap=True)
     prefix = None
     if demo:
         prefix = queue_demo(store, r.cfg.lanes)
@@ -195,7 +200,9 @@ def up(
     monitor_every = 2.0 if demo else r.cfg.fleet.monitor_every
     next_monitor = 0.0
     finished = False
-    with Live(console=console, refresh_per_second=4, transient=False) as live:
+    # the shifts stop with `fleet up`, however it ends (a database that goes away included)
+    with contextlib.ExitStack() as stopping, Live(console=console, refresh_per_second=4, transient=False) as live:
+        stopping.callback(launcher.stop_all)
         while not stop.is_set():
             ready = {row["lane"]: row["ready"] for row in store.query("ready_by_lane")}
             for lane in sorted(r.cfg.lanes):
@@ -213,7 +220,6 @@ def up(
                 if time.monotonic() - started > timeout:
                     break
             stop.wait(0.5)
-    launcher.stop_all()
     rows = store.query("lane_summary")
     console.print(summary_table(rows, "summary"))
     if demo and not finished:
@@ -221,7 +227,8 @@ def up(
     if prefix is not None:
         states = demo_states(store, prefix)
         waiting = ", ".join(f"{n} {s}" for s, n in states.items() if s in WAITING_STATES)
-        ending = f"every task is done or dead except {waiting} (waiting for a person: `fleet tasks --state blocked`)" \
+        fleet = _invocation()
+        ending = f"every task is done or dead except {waiting} (waiting for a person: `{fleet} tasks --state blocked`)" \
             if waiting else "every task is done or dead"
         console.print(f"demo finished in {time.monotonic() - started:.0f}s: {ending}. "
-                      f"Try `fleet tasks` and `fleet show {prefix}7`.", highlight=False)
+                      f"Try `{fleet} tasks` and `{fleet} show {prefix}7`.", highlight=False)
