@@ -27,8 +27,10 @@ def guard(
     socket_path: Annotated[str | None, typer.Option("--socket", envvar="FLEET_GUARD_SOCKET",
                                                     help="the shift's guard socket (set by the shift)")] = None,
 ) -> None:
-    """For agents: run CMD only if this task's lease still holds (asked of the database now, for
-    longer than the question took). Else exit 77 (the task is not yours any more: stop) or 75
-    (could not confirm now: retry). Wrap what cannot be undone: `fleet guard -- git push`."""
+    """For agents: run CMD only while this task's lease holds (asked of the database now).
+
+    The lease is confirmed for longer than the question took. Else CMD does not run: exit 77 (the
+    task is not yours any more: stop) or 75 (could not confirm now: retry). Wrap what cannot be
+    undone: fleet guard -- git push."""
     raise typer.Exit(run_guarded(cmd, task=task, token=token, socket_path=socket_path, timeout=timeout,
                                  quiet=quiet))

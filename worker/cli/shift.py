@@ -37,7 +37,7 @@ def shift(
 
 def checkpoint(
     data: Annotated[str, typer.Option("--data", "-d", help="the checkpoint, a JSON value (or @file)")],
-    workspace: Annotated[Path | None, typer.Option(envvar="FLEET_WORKSPACE", help="the task workspace [env: FLEET_WORKSPACE]")] = None,
+    workspace: Annotated[Path | None, typer.Option(envvar="FLEET_WORKSPACE", help="the task workspace")] = None,
 ) -> None:
     """For agents: save a checkpoint; the shift stores it at its next heartbeat."""
     from worker.workspace.folder import save_checkpoint
