@@ -79,9 +79,9 @@ class Runtime:
             raise DatabaseUnavailable(f"cannot connect to {self.database}: {reason}") from None
         except MigrationError as exc:
             raise MigrationError(f"{self.database}: {exc.message}", exc.hint) from None
-        except psycopg.Error as exc:
+        except psycopg.Error as exc:  # reached, but refused (no privilege to read or make the schema)
             reason = exc.diag.message_primary or " ".join(str(exc).split())
-            raise DatabaseUnavailable(f"{self.database} refused: {reason}") from None
+            raise MigrationError(f"{self.database} refused: {reason}") from None
 
     def migrate(self, *, dry_run: bool = False) -> MigrateResult:
         """Apply the pending migrations (``dry_run``: list them); see :func:`worker.db.migrate.migrate`."""
