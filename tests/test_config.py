@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.config import FleetConfig, load_config, parse_duration
+from worker.config import FleetConfig, database_origin, load_config, parse_duration
 from worker.errors import ConfigError, UnknownLane
 
 DOCS = '[lanes.docs]\ncommand = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]\n'
@@ -151,6 +151,43 @@ def test_a_bad_environment_value_names_the_field(tmp_path: Path) -> None:
     assert "lanes.docs.max_running" in message
 
 
+def test_a_bad_environment_value_is_blamed_on_its_variable_not_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, DOCS + "max_running = 2\n")
+    message = refused(path, {"FLEET_LANES__DOCS__MAX_RUNNING": "-1"})
+    assert message.startswith("environment variable FLEET_LANES__DOCS__MAX_RUNNING: lanes.docs.max_running: "
+                              "Input should be greater than or equal to 0"), message
+    assert str(path) not in message
+    # the same value from the file is the file's
+    in_file = write(tmp_path, DOCS + "max_running = -1\n", "in-file.toml")
+    assert refused(in_file).startswith(f"{in_file}: lanes.docs.max_running: ")
+    # a lane only the environment names is the environment's too
+    message = refused(path, {"FLEET_LANES__DOC__MAX_RUNNING": "3"})
+    assert message.startswith("environment variable FLEET_LANES__DOC__MAX_RUNNING: lanes.doc: a lane needs"), message
+    # a bad value in the file beside a good override stays the file's
+    bad_file = write(tmp_path, DOCS + "lease_seconds = 1\n", "other.toml")
+    message = refused(bad_file, {"FLEET_LANES__DOCS__MAX_RUNNING": "3"})
+    assert message.startswith(f"{bad_file}: lanes.docs.lease_seconds: "), message
+    message = refused(path, {"DATABASE_URL": "x", "FLEET_DATABASE__POOL_MAX": "0"})
+    assert message.startswith("environment variable FLEET_DATABASE__POOL_MAX: database.pool_max: "), message
+
+
+def test_an_override_through_a_value_that_is_not_a_table_names_the_variable(tmp_path: Path) -> None:
+    message = refused(write(tmp_path, DOCS), {"FLEET_LANES__DOCS__COMMAND__X": "1"})
+    assert message == ("environment variable FLEET_LANES__DOCS__COMMAND__X: sets lanes.docs.command.x, "
+                       "but command is not a table")
+
+
+def test_where_the_database_url_came_from(tmp_path: Path) -> None:
+    path = write(tmp_path, '[database]\nurl = "postgresql://a@h/d"\n' + DOCS)
+    assert database_origin(load_config(path, environ={}), {}) == f"{path}: database.url"
+    env = {"DATABASE_URL": "postgresql://b@h/d"}
+    assert database_origin(load_config(path, environ=env), env) == "DATABASE_URL"
+    env = {"DATABASE_URL": "postgresql://b@h/d", "FLEET_DATABASE__URL": "postgresql://c@h/d"}
+    cfg = load_config(path, environ=env)
+    assert (cfg.database.url, database_origin(cfg, env)) == ("postgresql://c@h/d", "FLEET_DATABASE__URL")
+    assert database_origin(load_config(write(tmp_path, DOCS), environ={}), {}) is None  # embedded
+
+
 def test_unrelated_fleet_variables_are_ignored(tmp_path: Path) -> None:
     # what a shift sets for its agents must not be read as config
     cfg = load_config(write(tmp_path, DOCS), environ={"FLEET_TASK_ID": "3", "FLEET_LANE": "docs"})
@@ -167,6 +204,25 @@ def test_unknown_field_is_refused_by_name(tmp_path: Path) -> None:
     assert str(tmp_path / "fleet.toml") in message
     message = refused(write(tmp_path, "[fleeet]\nworkspaces = 'x'\n" + DOCS))
     assert "fleeet" in message
+
+
+@pytest.mark.parametrize(("text", "environ", "expect"), [
+    (DOCS + "max_runing = 2\n", {}, "lanes.docs.max_runing: unknown field 'max_runing' (did you mean 'max_running'?)"),
+    ("[fleeet]\nworkspaces = 'x'\n" + DOCS, {}, "fleeet: unknown field 'fleeet' (did you mean 'fleet'?)"),
+    ("[fleet]\nworkspace = 'x'\n" + DOCS, {}, "fleet.workspace: unknown field 'workspace' (did you mean 'workspaces'?)"),
+    ("[profiles.p]\nagent = 'claude'\nmodles = {}\n" + DOCS, {},
+     "profiles.p.modles: unknown field 'modles' (did you mean 'models'?)"),
+    ("[database]\npool_mx = 3\n" + DOCS, {}, "database.pool_mx: unknown field 'pool_mx' (did you mean 'pool_max'?)"),
+    (DOCS, {"FLEET_LANES__DOCS__LEASE_SECOND": "30"},
+     "environment variable FLEET_LANES__DOCS__LEASE_SECOND: lanes.docs.lease_second: unknown field 'lease_second' "
+     "(did you mean 'lease_seconds'?)"),
+    (DOCS + "zzzz = 1\n", {}, "lanes.docs.zzzz: unknown field 'zzzz'"),
+])
+def test_a_typo_says_which_field_was_meant(tmp_path: Path, text: str, environ: dict[str, str], expect: str) -> None:
+    message = refused(write(tmp_path, text), environ)
+    assert message.endswith(expect), message
+    if "did you mean" not in expect:
+        assert "did you mean" not in message
 
 
 @pytest.mark.parametrize(("field", "value"), [

@@ -50,6 +50,8 @@ from sqlkit import (
     take,
 )
 
+from worker.dev.apt import apt_install
+
 ROOT = Path(__file__).resolve().parents[1]
 
 FLEET_TOML = """\
@@ -396,10 +398,7 @@ def chromium() -> str:
         with open(lock, "w") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)       # one xdist worker installs, the others wait
             if shutil.which("chromium") is None:
-                env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-                subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, timeout=900)
-                done = subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], env=env,
-                                      capture_output=True, text=True, timeout=1800)
+                done = apt_install("chromium")  # waits for another apt-get's locks
                 assert done.returncode == 0, done.stderr[-2000:]
         path = shutil.which("chromium")
     if path is None:

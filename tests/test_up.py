@@ -85,18 +85,18 @@ def test_the_embedded_database_lives_beside_the_config_or_at_database_path(tmp_p
     r = Runtime(elsewhere / "fleet.toml")
     assert r.embedded and r.pgdata == (elsewhere / ".fleet" / "pgdata").resolve()
     assert r.up_lock == elsewhere / ".fleet" / "up.lock"
-    assert r.where == f"the embedded database in {(elsewhere / '.fleet' / 'pgdata').resolve()}"
+    assert r.database == f"the embedded database in {(elsewhere / '.fleet' / 'pgdata').resolve()}"
 
     (elsewhere / "fleet.toml").write_text('[database]\npath = "../shared/pg"\n\n' + FLEET_TOML)
     r = Runtime(elsewhere / "fleet.toml")
     shared = (tmp_path / "shared" / "pg").resolve()
     assert r.pgdata == shared and r.up_lock == shared.parent / "pg.up.lock"  # one lock per database
-    assert str(shared) in r.where
+    assert str(shared) in r.database
 
     (elsewhere / "fleet.toml").write_text('[database]\nurl = "postgresql://fleet:secret@db.example:6543/prod"\n\n'
                                           + FLEET_TOML)
     r = Runtime(elsewhere / "fleet.toml")
-    assert not r.embedded and r.where == "the database prod on db.example:6543"  # never the password
+    assert not r.embedded and "secret" not in r.database and "db.example:6543/prod" in r.database  # never the password
 
 
 # ------------------------------------------------------------------------------------------------
@@ -156,7 +156,7 @@ def test_one_fleet_up_per_directory_db_stop_refuses_and_up_survives_a_restart(pr
         up = subprocess.Popen([sys.executable, "-m", "monitor.cli", "up"], cwd=ROOT, env=env_of(project),
                               stdout=o, stderr=e)
     try:
-        wait_for("fleet up to start", lambda: "database ready" in out.read_text(), timeout=180)
+        wait_for("fleet up to start", lambda: " is ready; " in out.read_text(), timeout=180)
         # the first command made the database, and said where
         assert f"created a new embedded database in {pgdata}" in err.read_text()
         assert str(pgdata) in out.read_text()

@@ -13,13 +13,15 @@ A bad value is a :class:`ConfigError` whose message names the field, and nothing
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shlex
 import tomllib
 from collections.abc import Mapping
+from difflib import get_close_matches
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -463,12 +465,12 @@ class FleetConfig(_Strict):
         return local if local.exists() else resource_dir("lane_instructions") / f"{lane}.md"
 
 
-def _set_path(data: dict[str, Any], path: list[str], value: str) -> None:
+def _set_path(data: dict[str, Any], path: list[str], value: str, name: str) -> None:
     node = data
     for part in path[:-1]:
         nxt = node.setdefault(part, {})
         if not isinstance(nxt, dict):
-            raise ConfigError(f"environment override of {'.'.join(path)}: {part} is not a table")
+            raise ConfigError(f"environment variable {name}: sets {'.'.join(path)}, but {part} is not a table")
         node = nxt
     raw: Any = value
     if value[:1] in "[{" or value in ("true", "false"):
@@ -504,13 +506,71 @@ def _override_path(key: str) -> list[str] | None:
     return parts if all(parts) else None
 
 
-def _env_overrides(data: dict[str, Any], environ: dict[str, str]) -> None:
+def _env_overrides(data: dict[str, Any], environ: dict[str, str]) -> dict[tuple[str, ...], str]:
+    """Apply the environment's overrides to ``data``; returns the variable that set each path."""
+    made: dict[tuple[str, ...], str] = {}
     for key, value in sorted(environ.items()):
         if (parts := _override_path(key)) is not None:
-            _set_path(data, parts, value)
-    url = environ.get("FLEET_DATABASE__URL") or environ.get("DATABASE_URL")
-    if url:
-        data.setdefault("database", {})["url"] = url
+            _set_path(data, parts, value, key)
+            made[tuple(parts)] = key
+    if origin := _url_variable(environ):
+        data.setdefault("database", {})["url"] = environ[origin]
+        made[("database", "url")] = origin
+    return made
+
+
+def _url_variable(environ: Mapping[str, str]) -> str | None:
+    return next((name for name in ("FLEET_DATABASE__URL", "DATABASE_URL") if environ.get(name)), None)
+
+
+def database_origin(cfg: FleetConfig, environ: Mapping[str, str]) -> str | None:
+    """Where the config's database URL came from, for a message: the environment variable that
+    set it, or the config file's ``database.url``. None: no URL (the embedded database)."""
+    if not cfg.database.url:
+        return None
+    return _url_variable(environ) or f"{cfg.source or 'config'}: database.url"
+
+
+def _blame(loc: tuple[str, ...], made: dict[tuple[str, ...], str], file_data: dict[str, Any]) -> str | None:
+    """The environment variable to blame for an error at ``loc``: one that set it or a value
+    under it, or that made the table it is in (a lane only the environment names)."""
+    for path, name in made.items():
+        if loc[:len(path)] == path:
+            return name
+    for path, name in made.items():
+        node: Any = file_data
+        for part in loc:
+            node = node.get(part) if isinstance(node, dict) else None
+        if path[:len(loc)] == loc and node is None:
+            return name
+    return None
+
+
+def _fields_at(loc: tuple[str, ...]) -> list[str]:
+    """The field names of the config table at ``loc`` (``("lanes", "docs")``: a lane's)."""
+    model: Any = FleetConfig
+    i = 0
+    while i < len(loc):
+        info = model.model_fields.get(loc[i]) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if info is None:
+            return []
+        kind = info.annotation
+        if get_origin(kind) is dict:
+            kind, i = get_args(kind)[1], i + 1  # a named table: lanes.<name>
+        model, i = kind, i + 1
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return []
+    return [name for name in model.model_fields if name != "source"]
+
+
+def _problem(err: Any) -> str:
+    """A pydantic error as the rest of its line: what is wrong (and for a typo, what was meant)."""
+    loc = tuple(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden" and loc:
+        close = get_close_matches(loc[-1], _fields_at(loc[:-1]), n=1)
+        return f"unknown field {loc[-1]!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+    msg = str(err["msg"])
+    return msg.removeprefix("Value error, ")
 
 
 def load_config(path: Path | str | None = None, environ: dict[str, str] | None = None) -> FleetConfig:
@@ -533,16 +593,22 @@ def load_config(path: Path | str | None = None, environ: dict[str, str] | None =
         raise ConfigError(f"config file {file} does not exist")
     if not data.get("lanes"):
         data["lanes"] = _example_lanes() | dict(data.get("lanes") or {})
-    _env_overrides(data, environ)
+    file_data = copy.deepcopy(data)
+    made = _env_overrides(data, environ)
     try:
         cfg = FleetConfig.model_validate({**data, "source": source})
     except ValidationError as exc:
         err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "config"
+        loc = tuple(str(p) for p in err["loc"])
         more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
-        raise ConfigError(f"{file if source else 'config'}: {where}: {err['msg']}{more}") from None
+        variable = _blame(loc, made, file_data)
+        origin = f"environment variable {variable}" if variable else str(file) if source else "config"
+        where = f"{'.'.join(loc)}: " if loc else ""
+        raise ConfigError(f"{origin}: {where}{_problem(err)}{more}") from None
     for name, lane in cfg.lanes.items():
         for other in lane.accepts_from or []:
             if other not in cfg.lanes:
-                raise ConfigError(f"lanes.{name}.accepts_from: {other!r} is not a configured lane")
+                variable = _blame(("lanes", name, "accepts_from"), made, file_data)
+                origin = f"environment variable {variable}" if variable else str(file) if source else "config"
+                raise ConfigError(f"{origin}: lanes.{name}.accepts_from: {other!r} is not a configured lane")
     return cfg

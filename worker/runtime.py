@@ -1,23 +1,28 @@
 """What a command needs at run time: the config, the database URL and the store, made lazily.
 
 No DATABASE_URL and no ``[database] url``: the embedded Postgres in ``[database] path``, by default
-``pgdata`` in ``[fleet] home`` (``.fleet/`` beside the config file). :attr:`Runtime.where` names the
-database in every message about it.
+``pgdata`` in ``[fleet] home`` (``.fleet/`` beside the config file). Every message about the
+database names it (:attr:`Runtime.database`): its URL without the password and where the URL came
+from, or the embedded server's data folder.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
 from typing import cast
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
 
 from worker.agent.adapters import check_config
-from worker.config import FleetConfig, load_config
-from worker.db.migrate import newer, pending, refuse_newer
+from worker.config import FleetConfig, database_origin, load_config
+from worker.db.migrate import MigrateResult, newer, pending, refuse_newer
+from worker.db.migrate import migrate as run_migrations
+from worker.db.url import check_url, redact
 from worker.errors import DatabaseUnavailable, MigrationError
 from worker.store.postgres import PostgresStore
 from worker.store.sync import sync_config
@@ -61,27 +66,52 @@ class Runtime:
             return self.pgdata.parent / f"{self.pgdata.name}.{LOCK_NAME}"
         return self.home / LOCK_NAME
 
-    @property
-    def where(self) -> str:
-        """The database, for a message: ``the embedded database in /x/.fleet/pgdata`` or ``the
-        database fleet on 127.0.0.1:5432`` (never a password)."""
-        if self.embedded:
-            return f"the embedded database in {self.pgdata}"
-        try:
-            parts = conninfo_to_dict(self.cfg.database.url or "")
-        except psycopg.ProgrammingError:
-            return "the database of DATABASE_URL"
-        host = parts.get("host") or "localhost"
-        port = f":{parts['port']}" if parts.get("port") else ""
-        return f"the database {parts.get('dbname') or parts.get('user') or ''} on {host}{port}".replace("  ", " ")
-
     @cached_property
     def url(self) -> str:
         if self.cfg.database.url:
-            return self.cfg.database.url
+            return check_url(self.cfg.database.url, database_origin(self.cfg, os.environ) or "database.url")
         from worker.db.embedded import embedded_url
 
-        return embedded_url(self.home, pgdata=self.pgdata, say=lambda line: print(line, file=sys.stderr))
+        with self._on_database():
+            return embedded_url(self.home, pgdata=self.pgdata, say=lambda line: print(line, file=sys.stderr))
+
+    @property
+    def database(self) -> str:
+        """The database as a message names it: ``the database postgresql://u@host/db (DATABASE_URL)``
+        or ``the embedded database in /…/.fleet/pgdata``."""
+        if self.embedded:
+            return f"the embedded database in {self.pgdata}"
+        assert self.cfg.database.url is not None
+        return f"the database {redact(self.cfg.database.url)} ({database_origin(self.cfg, os.environ)})"
+
+    def _why_embedded(self) -> str:
+        """Why the embedded database is the one in use (a hint for a surprised user)."""
+        where = f"neither DATABASE_URL nor {self.cfg.source}" if self.cfg.source else "no DATABASE_URL and no fleet.toml"
+        return f"it is the one in use because {where} names a database"
+
+    @contextmanager
+    def _on_database(self) -> Iterator[None]:
+        """Errors of a direct connection to the database, as one line that names it."""
+        try:
+            yield
+        except psycopg.OperationalError as exc:
+            reason = " ".join(str(exc).split())
+            raise DatabaseUnavailable(f"cannot connect to {self.database}: {reason}") from None
+        except MigrationError as exc:
+            raise MigrationError(f"{self.database}: {exc.message}", exc.hint) from None
+        except psycopg.Error as exc:  # reached, but refused (no privilege to read or make the schema)
+            reason = exc.diag.message_primary or " ".join(str(exc).split())
+            raise MigrationError(f"{self.database} refused: {reason}") from None
+
+    def migrate(self, *, dry_run: bool = False) -> MigrateResult:
+        """Apply the pending migrations (``dry_run``: list them); see :func:`worker.db.migrate.migrate`."""
+        url = self.url
+        with self._on_database():
+            return run_migrations(url, dry_run=dry_run)
+
+    def refuse_newer(self, ahead: list[str]) -> None:
+        """Raise unless ``ahead`` is empty (see :func:`worker.db.migrate.refuse_newer`)."""
+        refuse_newer(ahead, self.database)
 
     def store(self, *, check_schema: bool = True, call_budget: float | None = None) -> PostgresStore:
         """The store (made once). ``call_budget``: see :class:`PostgresStore`.
@@ -99,25 +129,24 @@ class Runtime:
         if self._store is None:
             if check_schema:
                 self.check_schema()
-            self._store = PostgresStore.from_config(self.cfg, self.url, call_budget=call_budget)
+            self._store = PostgresStore.from_config(self.cfg, self.url, call_budget=call_budget,
+                                                    name=self.database)
         return self._store
 
     def check_schema(self) -> None:
         """Refuse to work on a database that lacks migrations this code needs, or that a newer
         lanefleet migrated (its functions may no longer be the ones this code calls).
         FLEET_ALLOW_NEWER_SCHEMA=1 allows the latter."""
-        try:
-            with psycopg.connect(self.url, connect_timeout=10) as conn:
-                missing = pending(conn)
-                ahead = newer(conn)
-        except psycopg.OperationalError as exc:
-            raise DatabaseUnavailable(f"cannot connect to {self.where}: {exc}".strip()) from None
+        url = self.url
+        with self._on_database(), psycopg.connect(url, connect_timeout=10) as conn:
+            missing = pending(conn)
+            ahead = newer(conn)
         if missing:
             raise MigrationError(
-                f"the database lacks {len(missing)} migration(s) ({missing[0].path.name}…)",
-                "run `fleet migrate`",
+                f"{self.database} lacks {len(missing)} migration(s) ({missing[0].path.name}…)",
+                "run `fleet migrate`" + (f"; {self._why_embedded()}" if self.embedded else ""),
             )
-        refuse_newer(ahead)
+        self.refuse_newer(ahead)
 
     def sync_lanes(self) -> dict[str, str]:
         store = self.store()

@@ -2,8 +2,9 @@
 this module alone registers the command modules of ``worker/cli/`` and ``monitor/cli/``, in the
 order ``fleet --help`` lists them.
 
-Errors lanefleet raises on purpose (:class:`FleetError`) end the command with one line on
-stderr and exit code 1, never a stack trace.
+Errors lanefleet raises on purpose (:class:`FleetError`) and usage errors (a bad option value, a
+missing argument, an unknown command) end the command with one line on stderr and exit code 1,
+never a stack trace or a box.
 """
 
 from __future__ import annotations
@@ -48,12 +49,26 @@ for command in (run.monitor, run.run, run.crontab, run.up, dashboards.status, da
     app.command()(command)
 
 
+def _fail(message: str) -> None:
+    # one line (a driver message can span several); it may quote user input ("[/x]"):
+    # escape it, or rich reads it as markup
+    err_console.print(f"[red]error:[/] {escape(' '.join(message.split()))}", highlight=False, soft_wrap=True)
+    sys.exit(1)
+
+
 def main() -> None:
     try:
-        app()  # standalone: usage errors and --help exit here with click's codes
+        # not standalone: click's usage errors come here, to be one line like every other error
+        code = app(standalone_mode=False)
+    except typer.TyperException as exc:  # typer's click: a usage error, a file error
+        if type(exc).__name__ == "NoArgsIsHelpError":  # as typer tells it (the class is not public)
+            sys.exit(0)  # `fleet`, `fleet db`: the help was printed
+        message = getattr(exc, "format_message", exc.__str__)().rstrip(".")
+        ctx = getattr(exc, "ctx", None)  # a usage error's: where to read how the command goes
+        _fail(message + (f" (see {ctx.command_path} --help)" if ctx is not None else ""))
+    except typer.Abort:
+        _fail("aborted")
     except FleetError as exc:
-        # one line (a driver message can span several); it may quote user input ("[/x]"):
-        # escape it, or rich reads it as markup
-        message = " ".join(str(exc).split())
-        err_console.print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-        sys.exit(1)
+        _fail(str(exc))
+    # an exit code (typer.Exit, --help), or what a command returned (None)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,7 +24,6 @@ from monitor.outage import Outage
 from monitor.reconcile import monitor_pass
 from worker.cli.context import JsonOpt, console, err_console, rt
 from worker.config import env_settings, flag_duration
-from worker.db.migrate import migrate as run_migrations
 from worker.errors import DatabaseUnavailable, FleetError, InvalidInput
 from worker.models import TASK_STATES, WAITING_STATES, RepairAction
 from worker.runtime import Runtime
@@ -130,7 +130,7 @@ def crontab(
     ctx: typer.Context,
     lock_dir: Annotated[Path | None, typer.Option(help="where lock and log files go (default: <home>/cron)")] = None,
 ) -> None:
-    """Print system crontab lines equivalent to `fleet run` (absolute paths, flock overlap guards)."""
+    """Print system crontab lines equivalent to fleet run (absolute paths, flock overlap guards)."""
     r = rt(ctx)
     fleet_bin = shutil.which("fleet") or str(Path(sys.executable).with_name("fleet"))
     folder = (lock_dir or r.cfg.path(r.cfg.fleet.home) / "cron").resolve()
@@ -147,6 +147,12 @@ def crontab(
     for line in crontab_lines(r.cfg, fleet_bin=fleet_bin, workdir=r.cfg.base_dir, config=r.cfg.source,
                               lock_dir=folder):
         print(line)
+
+
+def _invocation() -> str:
+    """How the user runs fleet: ``uv run fleet`` when uv started this process (in a checkout, the
+    only way on a fresh machine), else ``fleet`` (installed, or a venv activated)."""
+    return "uv run fleet" if os.environ.get("UV_RUN_RECURSION_DEPTH") else "fleet"
 
 
 def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
@@ -173,7 +179,7 @@ def hold_up_lock(ctx: typer.Context, r: Runtime) -> None:
     from worker.db.uplock import UpLock
 
     lock = UpLock(r.up_lock)
-    lock.acquire(config=str(r.cfg.source) if r.cfg.source else None, database=r.where)
+    lock.acquire(config=str(r.cfg.source) if r.cfg.source else None, database=r.database)
     ctx.call_on_close(lock.release)
     os.environ["PGAPPNAME"] = "lanefleet up"
 
@@ -195,15 +201,14 @@ def up(
         # a restart of the database is said once (monitor.outage), not by each failed pool connect
         logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
     r: Runtime = rt(ctx)
-    hold_up_lock(ctx, r)  # before the database: a second `fleet up` here starts nothing
     url = r.url  # starts or reuses the embedded server when no database is configured
-    result = run_migrations(url)
+    result = r.migrate()  # (a database that cannot be reached: one line, and nothing written here)
+    hold_up_lock(ctx, r)  # before anything is synced or started: a second `fleet up` here starts nothing
     # calls fail within seconds while the database restarts: the loop below waits it out
     store = r.store(call_budget=UP_CALL_BUDGET)
     r.sync_lanes()
-    console.print(f"database ready ({r.where}); "
-                  f"{len(result.applied)} migration(s) applied; lanes: {', '.join(sorted(r.cfg.lanes))}",
-                  highlight=False)
+    console.print(f"{r.database[:1].upper()}{r.database[1:]} is ready; {len(result.applied)} migration(s) applied; "
+                  f"lanes: {', '.join(sorted(r.cfg.lanes))}", highlight=False, soft_wrap=True)
     prefix = None
     if demo:
         prefix = queue_demo(store, r.cfg.lanes)
@@ -219,8 +224,10 @@ def up(
     next_monitor = 0.0
     finished = False
     rows: list[dict[str, Any]] = []
-    with Live(console=console, refresh_per_second=4, transient=False) as live:
-        outage = Outage(r.where, lambda line: live.console.print(line, highlight=False, soft_wrap=True))
+    # the shifts stop with `fleet up`, however it ends
+    with contextlib.ExitStack() as stopping, Live(console=console, refresh_per_second=4, transient=False) as live:
+        stopping.callback(launcher.stop_all)
+        outage = Outage(r.database, lambda line: live.console.print(line, highlight=False, soft_wrap=True))
         while not stop.is_set():
             try:
                 ready = {row["lane"]: row["ready"] for row in store.query("ready_by_lane")}
@@ -246,18 +253,18 @@ def up(
                 continue
             outage.answered()
             stop.wait(0.5)
-    launcher.stop_all()
     try:
         rows = store.query("lane_summary")
     except DatabaseUnavailable as exc:
-        raise DatabaseUnavailable(f"{r.where} did not answer for the summary: {exc}") from None
+        raise DatabaseUnavailable(f"{r.database} did not answer for the summary: {exc}") from None
     console.print(summary_table(rows, "summary"))
     if demo and not finished:
         raise InvalidInput(f"the demo did not finish within {timeout:.0f}s; see {r.cfg.path(r.cfg.fleet.home) / 'logs'}")
     if prefix is not None:
         states = demo_states(store, prefix)
         waiting = ", ".join(f"{n} {s}" for s, n in states.items() if s in WAITING_STATES)
-        ending = f"every task is done or dead except {waiting} (waiting for a person: `fleet tasks --state blocked`)" \
+        fleet = _invocation()
+        ending = f"every task is done or dead except {waiting} (waiting for a person: `{fleet} tasks --state blocked`)" \
             if waiting else "every task is done or dead"
         console.print(f"demo finished in {time.monotonic() - started:.0f}s: {ending}. "
-                      f"Try `fleet tasks` and `fleet show {prefix}7`.", highlight=False)
+                      f"Try `{fleet} tasks` and `{fleet} show {prefix}7`.", highlight=False)

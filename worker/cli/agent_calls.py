@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-GUARD_HELP = ("For agents: run CMD only if this task's lease still holds (asked of the database now, "
-              "for longer than the question took). Else exit 77 (the task is not yours any more: stop) "
-              "or 75 (could not confirm now: retry). Wrap what cannot be undone: fleet guard -- git push.")
+GUARD_HELP = ("For agents: run CMD only while this task's lease holds (asked of the database now).\n\n"
+              "The lease is confirmed for longer than the question took. Else CMD does not run: exit 77 "
+              "(the task is not yours any more: stop) or 75 (could not confirm now: retry). Wrap what "
+              "cannot be undone: fleet guard -- git push.")
 CHECKPOINT_HELP = "For agents: save a checkpoint; the shift stores it at its next heartbeat."
 
 

@@ -18,7 +18,7 @@ batch_app = typer.Typer(no_args_is_help=True, help="Batches: members of a lane r
 @batch_app.command("create")
 def batch_create(
     ctx: typer.Context,
-    lane: Annotated[str, typer.Argument(help="the lane (it must have a `repo`)")],
+    lane: Annotated[str, typer.Argument(help="the lane (it must have a repo)")],
     keys: Annotated[list[str], typer.Argument(help="the members' task keys, in the order they run")],
     max_members: Annotated[int, typer.Option("--max", help="at most this many members")] = 4,
     profile: Annotated[str | None, typer.Option("--profile", help="the dispatch profile of every member "

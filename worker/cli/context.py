@@ -8,6 +8,7 @@ before they write); see :func:`monitor.cli.app.main`.
 from __future__ import annotations
 
 import json
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,16 +22,30 @@ err_console = Console(stderr=True)
 
 ConfigOpt = Annotated[
     Path | None,
-    typer.Option("--config", "-c", envvar="FLEET_CONFIG", help="fleet.toml to read [env: FLEET_CONFIG]"),
+    typer.Option("--config", "-c", envvar="FLEET_CONFIG", help="fleet.toml to read"),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
 JsonTablesOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
-TaskRef = Annotated[str, typer.Argument(help="task id or key")]
+TASK_REF_HELP = "a task's id, or its key (key:K for a key of only digits, which reads as an id)"
+TaskRef = Annotated[str, typer.Argument(metavar="ID|KEY", help=TASK_REF_HELP)]
 # keys are per lane: the lane of a key that names tasks in several lanes
 KeyLaneOpt = Annotated[str | None, typer.Option("--lane", "-l", help="the lane of the key (keys are per lane)")]
 
 
-def root_callback(ctx: typer.Context, config: ConfigOpt = None) -> None:
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        try:
+            print(f"lanefleet {version('lanefleet')}")
+        except PackageNotFoundError:  # run from a copy of the source that was never installed
+            print("lanefleet (version unknown: not installed)")
+        raise typer.Exit()
+
+
+VersionOpt = Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="print lanefleet's version and exit")]
+
+
+def root_callback(ctx: typer.Context, config: ConfigOpt = None, show_version: VersionOpt = False) -> None:
     """lanefleet: a Postgres-backed, multi-lane task queue for fleets of agent workers."""
     ctx.obj = Runtime(config)
     ctx.call_on_close(ctx.obj.close)

@@ -21,9 +21,9 @@ def db_url(ctx: typer.Context) -> None:
 @db_app.command("stop")
 def db_stop(
     ctx: typer.Context,
-    force: Annotated[bool, typer.Option("--force", help="stop it even while `fleet up`, shifts or other clients use it")] = False,
+    force: Annotated[bool, typer.Option("--force", help="stop it even while fleet up, shifts or other clients use it")] = False,
 ) -> None:
-    """Stop the embedded Postgres (if it runs), unless `fleet up`, a shift or another client uses it."""
+    """Stop the embedded Postgres (if it runs), unless fleet up, a shift or another client uses it."""
     from worker.db.embedded import (
         DatabaseInUse,
         connections,
@@ -35,10 +35,10 @@ def db_stop(
 
     r = rt(ctx)
     if not r.embedded:
-        raise InvalidInput(f"{r.where} is not the embedded one (DATABASE_URL or [database] url); nothing to stop")
+        raise InvalidInput(f"{r.database} is not the embedded one (DATABASE_URL or [database] url); nothing to stop")
     url = running_url(r.pgdata, "postgres")
     if url is None:
-        console.print(f"not running: {r.where}", highlight=False)
+        console.print(f"not running: {r.database}", highlight=False)
         return
     up = holder(r.up_lock)
     users = connections(url)
@@ -46,7 +46,7 @@ def db_stop(
         who = [f"`fleet up` ({up.describe()})"] if up is not None else []
         if users:
             who.append(describe_connections(users))
-        raise DatabaseInUse(f"{r.where} is in use: {' and '.join(who)}",
+        raise DatabaseInUse(f"{r.database} is in use: {' and '.join(who)}",
                             "stop them first, or `fleet db stop --force`: a running `fleet up` then waits for it to come back")
     stopped = stop_embedded(r.home, pgdata=r.pgdata)
-    console.print(f"{'stopped' if stopped else 'not running'}: {r.where}", highlight=False)
+    console.print(f"{'stopped' if stopped else 'not running'}: {r.database}", highlight=False)

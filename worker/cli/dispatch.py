@@ -94,8 +94,9 @@ def pools_list(ctx: typer.Context, as_json: JsonTablesOpt = False) -> None:
 @pools_app.command("clear")
 def pools_clear(ctx: typer.Context, name: Annotated[str, typer.Argument(help="the pool")],
                 as_json: JsonTablesOpt = False) -> None:
-    """Lift a pool's throttle now (an operator's call, journaled): the pool's lanes claim from it
-    again, and the tasks that waited for its reset are ready."""
+    """Lift a pool's throttle now (an operator's call, journaled).
+
+    The pool's lanes claim from it again, and the tasks that waited for its reset are ready."""
     got = rt(ctx).store().clear_throttle(name)
     if as_json:
         emit_json(got)

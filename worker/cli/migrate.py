@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import psycopg
 import typer
 from rich.table import Table
 
 from worker.cli.context import JsonOpt, console, emit_json, rt
-from worker.db.migrate import migrate as run_migrations
-from worker.db.migrate import refuse_newer
-from worker.errors import DatabaseUnavailable
 
 lanes_app = typer.Typer(no_args_is_help=True, help="Lanes: sync them from fleet.toml, list them.")
 
@@ -24,12 +20,9 @@ def migrate(
 ) -> None:
     """Apply pending migrations (each in one transaction, safe to run concurrently)."""
     r = rt(ctx)
-    try:
-        result = run_migrations(r.url, dry_run=dry_run)
-    except psycopg.OperationalError as exc:
-        raise DatabaseUnavailable(f"cannot connect to the database: {exc}") from None
+    result = r.migrate(dry_run=dry_run)
     # (after applying its own: this host's lane sync and shifts must not call what a newer one changed)
-    refuse_newer(result.newer)
+    r.refuse_newer(result.newer)
     lanes = r.sync_lanes() if sync and not dry_run else {}
     if as_json:
         emit_json({

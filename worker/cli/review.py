@@ -10,7 +10,7 @@ from rich.table import Table
 
 from worker.cli.context import JsonTablesOpt, KeyLaneOpt, TaskRef, console, emit_json, rt
 
-review_app = typer.Typer(no_args_is_help=True, help="Review: completed tasks of lanes with `review = true`.")
+review_app = typer.Typer(no_args_is_help=True, help="Review: completed tasks of lanes with review = true.")
 
 
 @review_app.command("list")

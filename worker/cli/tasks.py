@@ -9,9 +9,19 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from worker.cli.context import JsonOpt, KeyLaneOpt, TaskRef, console, emit_json, err_console, rt
+from worker.cli.context import (
+    TASK_REF_HELP,
+    JsonOpt,
+    KeyLaneOpt,
+    TaskRef,
+    console,
+    emit_json,
+    err_console,
+    rt,
+)
 from worker.errors import InvalidInput
 from worker.models import Run
+from worker.store.reads import KEY_PREFIX
 from worker.store.task_input import (
     check_state,
     enqueue_lines,
@@ -45,9 +55,11 @@ def enqueue(
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="the task's budget in tokens, over all attempts")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Queue a task (prints its id; says so when the key already named a task in the lane), or
-    with --from the tasks of a file (prints how many were created and how many already existed).
-    Keys are per lane: the same key in another lane is another task."""
+    """Queue a task (prints its id), or with --from the tasks of a file.
+
+    When the key already names a task in the lane, prints that task's id and says so; with --from,
+    prints how many were created and how many already existed. Keys are per lane: the same key in
+    another lane is another task."""
     if lane is not None and lane_option is not None and lane != lane_option:
         raise InvalidInput(f"two lanes given: {lane!r} and --lane {lane_option!r}")
     lane = lane if lane is not None else lane_option
@@ -91,6 +103,9 @@ def enqueue(
         moved = f", now in lane {now_in}" if now_in != lane else ""
         err_console.print(f"key {escape(repr(key))} already existed in lane {lane}: task {task_id}{moved}"
                           " (nothing new queued)")
+    if key.isdigit() or key.startswith(KEY_PREFIX):
+        # `fleet show 17` is task 17: such a key is named as key:17
+        err_console.print(f"note: commands name this task by its key as {escape(KEY_PREFIX + key)}", highlight=False)
 
 
 def tasks(
@@ -199,25 +214,28 @@ def retry(ctx: typer.Context, ref: TaskRef, lane: KeyLaneOpt = None) -> None:
 
 def resume(
     ctx: typer.Context,
-    ref: Annotated[str | None, typer.Argument(help="task id or key")] = None,
+    ref: Annotated[str | None, typer.Argument(metavar="ID|KEY", help=TASK_REF_HELP)] = None,
     max_cost: Annotated[float | None, typer.Option("--max-cost", help="a new cost budget in USD (0: none)")] = None,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="a new token budget (0: none)")] = None,
     batch: Annotated[int | None, typer.Option("--batch", help="resume a blocked batch: the next shift "
                                               "continues its member (re-runs the gate, or the landing)")] = None,
     lane: KeyLaneOpt = None,
 ) -> None:
-    """Queue a blocked task again: blocked by its verify gate, only the gate runs again; blocked by
-    its budget, give it a new one (--max-cost / --max-tokens) or it blocks again at once.
-    ``--batch ID``: a blocked batch's carrier goes back to the queue."""
+    """Queue a blocked task again (or with --batch ID, a blocked batch).
+
+    Blocked by its verify gate: only the gate runs again. Blocked by its budget: give it a new one
+    (--max-cost / --max-tokens), or it blocks again at once. With --batch ID, the blocked batch's
+    carrier goes back to the queue."""
+    if batch is not None and ref is not None:
+        raise InvalidInput("give a task or --batch, not both")
+    if batch is None and ref is None:
+        raise InvalidInput("name a task (ID or KEY), or --batch ID")
     store = rt(ctx).store()
     if batch is not None:
-        if ref is not None:
-            raise typer.BadParameter("give a task or --batch, not both")
         state = store.batch_call("batch_resume", {"p_batch": batch})
         console.print(f"batch {batch}: {state} (the next shift continues its member)")
         return
-    if ref is None:
-        raise typer.BadParameter("name a task (id or key), or --batch ID")
+    assert ref is not None
     task = store.get_task(ref, lane)
     if max_cost is not None or max_tokens is not None:
         store.set_task_budget(task.id, max_cost, max_tokens)

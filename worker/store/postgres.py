@@ -34,6 +34,7 @@ from tenacity import (
 )
 
 from worker.config import FleetConfig
+from worker.db.url import redact
 from worker.errors import (
     SQLSTATE_ERRORS,
     DatabaseUnavailable,
@@ -94,11 +95,14 @@ class PostgresStore(NamedReads):
     """The store over a direct connection (psycopg 3 + pool)."""
 
     def __init__(self, url: str, *, pooler: bool = False, min_size: int = 1, max_size: int = 8,
-                 attempts: int = 5, timeout: float = 10.0, call_budget: float | None = None) -> None:
+                 attempts: int = 5, timeout: float = 10.0, call_budget: float | None = None,
+                 name: str | None = None) -> None:
         """``call_budget``: the most seconds one call may spend on retries and on waiting for a
         connection (None: ``attempts`` tries of up to ``timeout`` each). A shift sets it to a
-        fraction of its lease, so a database outage never stops it from noticing its agents."""
+        fraction of its lease, so a database outage never stops it from noticing its agents.
+        ``name``: the database as messages name it (default: the URL without its password)."""
         self.url = url
+        self.name = name or f"the database {redact(url)}"
         self._attempts = attempts
         self._budget = call_budget
         kwargs: dict[str, Any] = {"autocommit": True, "row_factory": dict_row}
@@ -113,7 +117,7 @@ class PostgresStore(NamedReads):
         try:
             self.pool.open(wait=False)
         except psycopg.Error as exc:  # pragma: no cover - open(wait=False) rarely raises
-            raise DatabaseUnavailable(f"cannot open a pool to the database: {exc}") from exc
+            raise DatabaseUnavailable(f"cannot open a pool to {self.name}: {exc}") from exc
 
     @classmethod
     def from_config(cls, cfg: FleetConfig, url: str, **kwargs: Any) -> PostgresStore:
@@ -150,7 +154,7 @@ class PostgresStore(NamedReads):
                 if idempotent:
                     raise _Transient(str(exc)) from exc
                 raise DatabaseUnavailable(
-                    f"the database connection failed during a call that may have committed: {exc}"
+                    f"the connection to {self.name} failed during a call that may have committed: {exc}"
                 ) from exc
             except psycopg.Error as exc:
                 raise translate(exc) from exc
@@ -165,7 +169,7 @@ class PostgresStore(NamedReads):
                 with attempt:
                     return once()
         except _Transient as exc:
-            raise DatabaseUnavailable(f"the database is unreachable: {exc}") from None
+            raise DatabaseUnavailable(f"{self.name} is unreachable: {exc}") from None
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _one(self, query: LiteralString, params: Sequence[Any] = (), *,

@@ -168,7 +168,7 @@ class SupabaseStore(NamedReads):
                 if idempotent:
                     raise _Transient(f"{what}: {exc!r}") from exc
                 raise DatabaseUnavailable(
-                    f"the API connection failed during {what}, which may have committed: {exc!r}") from exc
+                    f"the connection to the Supabase API at {self.url} failed during {what}, which may have committed: {exc!r}") from exc
             except APIError as exc:
                 status = self._status.code
                 if exc.code in _NOT_RUN or status in (429, 503):  # refused before it ran
@@ -177,7 +177,7 @@ class SupabaseStore(NamedReads):
                     if idempotent:
                         raise _Transient(f"{what}: {status} {exc.message}") from exc
                     raise DatabaseUnavailable(
-                        f"the API answered {status} to {what}, which may have committed") from exc
+                        f"the Supabase API at {self.url} answered {status} to {what}, which may have committed") from exc
                 raise self._error(exc) from exc
 
         budget = self._budget if self._budget is not None else float("inf")
@@ -189,7 +189,7 @@ class SupabaseStore(NamedReads):
                 with attempt:
                     return once()
         except _Transient as exc:
-            raise DatabaseUnavailable(f"the Supabase API is unreachable: {exc}") from None
+            raise DatabaseUnavailable(f"the Supabase API at {self.url} is unreachable: {exc}") from None
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _rpc(self, fn: str, params: dict[str, Any], *, idempotent: bool = True) -> Any:
@@ -399,15 +399,17 @@ class SupabaseStore(NamedReads):
         except FleetError as exc:
             if isinstance(exc, AccessDenied | DatabaseUnavailable):
                 raise
-            raise MigrationError(f"the project does not have lanefleet's schema: {exc.message}",
+            raise MigrationError(f"the Supabase project at {self.url} does not have lanefleet's schema: {exc.message}",
                                  "run `fleet migrate` with the project's connection string, and expose "
                                  "schema fleet in the API settings") from None
         ours = load_migrations()
         missing = [m for m in ours if m.version not in applied]
         if missing:
-            raise MigrationError(f"the database lacks {len(missing)} migration(s) ({missing[0].path.name}…)",
+            raise MigrationError(f"the database of the Supabase project at {self.url} lacks {len(missing)} migration(s) "
+                                 f"({missing[0].path.name}…)",
                                  "run `fleet migrate` with the project's connection string")
-        refuse_newer(unknown_of(self._rpc("schema_migration_names", {}) or [], ours))
+        refuse_newer(unknown_of(self._rpc("schema_migration_names", {}) or [], ours),
+                     f"the database of the Supabase project at {self.url}")
 
     def query(self, name: str, **params: Any) -> list[dict[str, Any]]:
         """The named queries of queries.sql, each as its REST equivalent (same rows)."""
