@@ -5,6 +5,7 @@ No DATABASE_URL and no ``[database] url``: the embedded Postgres under ``[fleet]
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import cast
@@ -15,6 +16,7 @@ from worker.agent.adapters import check_config
 from worker.config import FleetConfig, load_config
 from worker.db.migrate import newer, pending, refuse_newer
 from worker.errors import DatabaseUnavailable, MigrationError
+from worker.preflight import preflight
 from worker.store.postgres import PostgresStore
 from worker.store.sync import sync_config
 
@@ -78,9 +80,14 @@ class Runtime:
             )
         refuse_newer(ahead)
 
-    def sync_lanes(self) -> dict[str, str]:
+    def sync_lanes(self, paused: Mapping[str, str | None] | None = None) -> dict[str, str]:
+        """Write the config to the database; ``paused``: the preflight's verdicts (see sync_config)."""
         store = self.store()
-        return sync_config(store, self.cfg)
+        return sync_config(store, self.cfg, paused)
+
+    def preflight(self, lanes: Iterable[str] | None = None) -> dict[str, str | None]:
+        """Lane → why to pause it on this host (None: nothing wrong); see worker/preflight.py."""
+        return preflight(self.cfg, lanes)
 
     def close(self) -> None:
         if self._store is not None:
