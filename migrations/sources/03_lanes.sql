@@ -158,6 +158,21 @@ $$;
 revoke all on function fleet.pause_lane(text,text) from public;
 grant execute on function fleet.pause_lane(text,text) to fleet_worker, fleet_operator, service_role;
 
+-- How long a task of the lane waits after a failed attempt: backoff_base_seconds * 2^(failures
+-- before this one), at most backoff_max_seconds. The one rule of fleet.fail and of a batch member's
+-- eviction (fleet.batch_member_evicted).
+create or replace function fleet._backoff(l fleet.lanes, p_failures_before int)
+returns interval
+language sql
+immutable
+as $$
+    select make_interval(secs => least(l.backoff_max_seconds::numeric,
+                                       l.backoff_base_seconds * power(2::numeric, least(greatest(p_failures_before, 0), 30)))
+                                 ::double precision);
+$$;
+revoke all on function fleet._backoff(fleet.lanes,integer) from public;
+grant execute on function fleet._backoff(fleet.lanes,integer) to service_role;
+
 -- Whether a claim may take the lane's tasks: neither paused (by the operator, or by lanefleet with
 -- a reason) nor retired.
 create or replace function fleet._lane_claimable(l fleet.lanes)

@@ -175,12 +175,11 @@ begin
                lease_token = null, lease_expires_at = null, session_id = null
          where id = p_task;
     else
-        v_delay := least(l.backoff_max_seconds::numeric,
-                         l.backoff_base_seconds * power(2::numeric, least(t.failures, 30)));
+        v_delay := extract(epoch from fleet._backoff(l, t.failures));
         update fleet.tasks
            set state = 'queued', failures = failures + 1, last_error = p_error, tier = v_tier,
                verify_pending = false,
-               run_at = now() + make_interval(secs => v_delay::double precision), updated_at = now(),
+               run_at = now() + fleet._backoff(l, t.failures), updated_at = now(),
                lease_token = null, lease_expires_at = null, session_id = null
          where id = p_task;
     end if;

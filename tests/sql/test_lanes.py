@@ -250,3 +250,14 @@ def test_retire_waits_for_an_enqueue_in_flight_and_counts_its_task(connect) -> N
     with refused(LANE_RETIRED):
         late.outcome()
     assert one(setup, "select count(*) from fleet.tasks where key = 'late'") == 0
+
+
+def test_enqueue_many_refuses_a_retired_lane_naming_the_element(conn) -> None:
+    sync_lane(conn, "old")
+    sync_lane(conn, "new")
+    assert one(conn, "select fleet.retire_lane('old')") == "retired"
+    with refused(LANE_RETIRED) as err:
+        one(conn, "select count(*) from fleet.enqueue_many('new', %s)",
+            (Jsonb([{"key": "fine"}, {"key": "late", "lane": "old"}]),))
+    assert str(err.value).startswith("p_tasks[1] (key 'late'): lane old is retired")
+    assert one(conn, "select count(*) from fleet.tasks") == 0
