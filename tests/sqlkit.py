@@ -38,6 +38,7 @@ INVALID_ARGUMENT = "LF005"
 SESSION_NOT_ACTIVE = "LF006"
 ROUTE_REFUSED = "LF007"
 LANE_NOT_ALLOWED = "LF008"
+LANE_RETIRED = "LF009"
 
 
 # any partial index of running tasks will do where a plan reads them: the planner picks one of

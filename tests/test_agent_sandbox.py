@@ -172,7 +172,7 @@ def test_agent_env_may_not_name_the_fleets_own_variables(tmp_path: Path) -> None
         toml.write_text(f'[lanes.work]\ncommand = ["true"]\nagent_env = ["{name}"]\n')
         with pytest.raises(ConfigError) as err:
             load_config(toml, environ={})
-        assert f"lanes.work.agent_env: Value error, {name} is lanefleet's own" in str(err.value)
+        assert f"lanes.work.agent_env: {name} is lanefleet's own" in str(err.value)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -228,7 +228,8 @@ def test_a_gate_that_cannot_start_blocks_the_task(dispatch_fleet, tmp_path: Path
     fleet.run_shift("work")
     row = fleet.task(task)
     assert (row["state"], row["block_reason"]) == ("blocked", "automation-broken")
-    assert "could not be started" in row["last_error"]
+    # named as the gate, not as the agent
+    assert row["last_error"] == f"verify gate '{tmp_path / 'no-such-gate'}' cannot start: No such file or directory"
 
 
 def test_resume_reruns_only_the_gate_and_retry_runs_the_agent_again(dispatch_fleet, tmp_path: Path) -> None:
@@ -391,7 +392,8 @@ def test_usage_limit_detection_patterns_codes_and_backoff() -> None:
     (0, "12 passed", False, "ok"),
     (1, "1 failed, 11 passed", False, "task-failed"),
     (1, "", False, "automation-broken"),
-    (127, "lanefleet: cannot start the agent 'pytest'", False, "automation-broken"),
+    (127, "lanefleet: verify gate 'pytest' cannot start: No such file or directory", False, "automation-broken"),
+    (127, "sh: 1: pytest: not found", False, "automation-broken"),
     (137, "", False, "automation-broken"),
     (125, "", False, "capability-unavailable"),
     (0, "", True, "automation-broken"),
@@ -451,3 +453,11 @@ def test_a_bad_agent_is_one_line_naming_the_field(tmp_path: Path, toml: str, say
     out = subprocess.run([sys.executable, "-m", "monitor.cli", "profiles"], cwd=tmp_path, capture_output=True,
                          text=True, env={**env, "FLEET_CONFIG": str(tmp_path / "fleet.toml")}, timeout=60)
     assert out.returncode == 1 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_gate_that_cannot_start_is_named_as_the_gate() -> None:
+    said = "lanefleet: verify gate 'pytest' cannot start: No such file or directory"
+    assert classify_gate(127, f"some noise\n{said}\n") == (
+        "automation-broken", "verify gate 'pytest' cannot start: No such file or directory")
+    outcome, evidence = classify_gate(127, "sh: 1: pytest: not found")
+    assert (outcome, evidence.splitlines()[0]) == ("automation-broken", "the gate could not be started (command not found?)")

@@ -258,7 +258,10 @@ class LaneConfig(_AgentAccess):
     max_transient: int = Field(default=10, ge=0)
     max_payload_bytes: int = Field(default=MAX_PAYLOAD_BYTES, ge=1)  # an enqueue's payload (JSON text), at most
     accepts_from: list[str] | None = None
-    paused: bool = False
+    paused: bool = False  # the operator's pause: nothing is claimed (apart from a preflight's pause)
+    # a lane retired in the database (`fleet lanes retire`) stays retired through a sync unless this
+    # says false; true retires it at the sync (refused while it has live tasks)
+    retired: bool | None = None
     cron: str | None = None
     shift_minutes: float = Field(default=9.0, gt=0)
     max_shifts: int = Field(default=1, ge=1)

@@ -51,6 +51,10 @@ class LaneForbidden(FleetError):
     """The caller's key may not work that lane (its JWT's fleet_lanes claim does not list it)."""
 
 
+class LaneRetired(FleetError):
+    """The lane was retired (`fleet lanes retire`): it takes no tasks until `fleet lanes unretire`."""
+
+
 class ConfigError(FleetError):
     """fleet.toml or the environment holds a bad value."""
 
@@ -72,4 +76,5 @@ SQLSTATE_ERRORS: dict[str, type[FleetError]] = {
     "LF006": SessionLost,
     "LF007": RouteRefused,
     "LF008": LaneForbidden,
+    "LF009": LaneRetired,
 }

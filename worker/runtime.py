@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
@@ -24,6 +24,7 @@ from worker.db.migrate import MigrateResult, newer, pending, refuse_newer
 from worker.db.migrate import migrate as run_migrations
 from worker.db.url import check_url, redact
 from worker.errors import DatabaseUnavailable, MigrationError
+from worker.preflight import preflight
 from worker.store.postgres import PostgresStore
 from worker.store.sync import sync_config
 
@@ -148,9 +149,14 @@ class Runtime:
             )
         self.refuse_newer(ahead)
 
-    def sync_lanes(self) -> dict[str, str]:
+    def sync_lanes(self, paused: Mapping[str, str | None] | None = None) -> dict[str, str]:
+        """Write the config to the database; ``paused``: the preflight's verdicts (see sync_config)."""
         store = self.store()
-        return sync_config(store, self.cfg)
+        return sync_config(store, self.cfg, paused)
+
+    def preflight(self, lanes: Iterable[str] | None = None) -> dict[str, str | None]:
+        """Lane → why to pause it on this host (None: nothing wrong); see worker/preflight.py."""
+        return preflight(self.cfg, lanes)
 
     def close(self) -> None:
         if self._store is not None:

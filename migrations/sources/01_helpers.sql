@@ -28,7 +28,11 @@ revoke all on function fleet._event(text,text,bigint,uuid,jsonb) from public;
 grant execute on function fleet._event(text,text,bigint,uuid,jsonb) to service_role;
 
 -- The lane row, or LF002 naming the lanes that do exist (those the caller's key may work: a
--- lane-scoped key never learns the names of the others).
+-- lane-scoped key never learns the names of the others), or LF009 for a retired lane: what takes a
+-- lane by name (enqueue, route, open_session, batch_create, retry) refuses a retired one. The row
+-- is locked FOR KEY SHARE (what the foreign key of a new task takes anyway), so that
+-- fleet.retire_lane, which locks it FOR UPDATE, waits for this transaction and then counts what it
+-- wrote, or this one waits and reads the lane retired.
 create or replace function fleet._lane(p_lane text)
 returns fleet.lanes
 language plpgsql
@@ -36,12 +40,17 @@ as $$
 declare
     l fleet.lanes;
 begin
-    select * into l from fleet.lanes where name = p_lane;
+    select * into l from fleet.lanes where name = p_lane for key share;
     if not found then
         perform fleet._raise('LF002', format('unknown lane %L', p_lane),
             'known lanes: ' || coalesce((select string_agg(name, ', ' order by name) from fleet.lanes
-                                          where fleet._lane_allowed(name)), 'none')
+                                          where fleet._lane_allowed(name) and retired_at is null), 'none')
             || '; run `fleet lanes sync` after adding it to fleet.toml');
+    end if;
+    if l.retired_at is not null then
+        perform fleet._raise('LF009', format('lane %s is retired (since %s): it takes no tasks', p_lane,
+                                             to_char(l.retired_at at time zone 'UTC', 'YYYY-MM-DD HH24:MI "UTC"')),
+            format('`fleet lanes unretire %s` brings it back', p_lane));
     end if;
     return l;
 end

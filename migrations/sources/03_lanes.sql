@@ -3,6 +3,11 @@
 -- The one hand-edited definition of each function and view below. A change here needs a
 -- migration made from it: `uv run python -m worker.dev.sqlsources new <name>` (see README).
 
+-- Create or update a lane from fleet.toml's settings. Two keys besides the columns' own:
+-- `paused_reason` (what the preflight of the sync found wrong, NULL: nothing; left out: the lane's
+-- stays as it is), apart from the operator's `paused`; `retired` (the config's explicit word: true
+-- retires the lane as fleet.retire_lane does, false brings it back; left out: a retired lane stays
+-- retired, its settings updated, and the answer is 'retired').
 create or replace function fleet.sync_lane(p_name text, p_settings jsonb)
 returns text
 language plpgsql
@@ -11,10 +16,11 @@ as $$
 declare
     v_known text[] := array['max_running', 'lease_seconds', 'max_attempts', 'max_handoffs',
         'session_timeout_seconds', 'backoff_base_seconds', 'backoff_max_seconds', 'accepts_from',
-        'paused', 'config'];
+        'paused', 'config', 'paused_reason', 'retired'];
     v_unknown text;
     v_old fleet.lanes;
     v_new fleet.lanes;
+    v_reason text;
 begin
     perform fleet._require_lane(p_name);
     if p_name is null or p_name !~ '^[a-z0-9][a-z0-9_-]{0,62}$' then
@@ -28,6 +34,13 @@ begin
     if v_unknown is not null then
         perform fleet._raise('LF005', format('unknown lane setting %L', v_unknown),
             'known: ' || array_to_string(v_known, ', '));
+    end if;
+    if jsonb_typeof(p_settings -> 'retired') not in ('boolean', 'null') then
+        perform fleet._raise('LF005', format('lane %s: retired must be true, false or null', p_name));
+    end if;
+    if jsonb_typeof(p_settings -> 'paused_reason') not in ('string', 'null')
+       or btrim(p_settings ->> 'paused_reason') = '' then
+        perform fleet._raise('LF005', format('lane %s: paused_reason must be a non-empty text or null', p_name));
     end if;
     -- after the claims of the lane in flight, before any that would read the old settings (see
     -- fleet.claim: a claim holds this key shared until it commits)
@@ -59,17 +72,33 @@ begin
            updated_at = now()
     returning * into v_new;
 
+    if p_settings ? 'paused_reason' then
+        v_reason := p_settings ->> 'paused_reason';
+        if v_reason is distinct from v_new.paused_reason then
+            perform fleet._set_paused_reason(p_name, v_reason, 'sync');
+        end if;
+    end if;
+    if (p_settings ->> 'retired')::boolean and v_new.retired_at is null then
+        perform fleet.retire_lane(p_name);
+    elsif not (p_settings ->> 'retired')::boolean and v_new.retired_at is not null then
+        perform fleet.unretire_lane(p_name);
+    end if;
+    select * into v_new from fleet.lanes where name = p_name;
+
     if v_old.name is null then
         perform fleet._event('lane_created', p_name, null, null, p_settings);
-        return 'created';
+        return case when v_new.retired_at is not null then 'retired' else 'created' end;
+    end if;
+    if v_new.retired_at is not null then
+        return 'retired';
     end if;
     if (v_old.max_running, v_old.lease_seconds, v_old.max_attempts, v_old.max_handoffs,
         v_old.session_timeout_seconds, v_old.backoff_base_seconds, v_old.backoff_max_seconds,
-        v_old.accepts_from, v_old.paused, v_old.config)
+        v_old.accepts_from, v_old.paused, v_old.config, v_old.paused_reason, v_old.retired_at)
        is not distinct from
        (v_new.max_running, v_new.lease_seconds, v_new.max_attempts, v_new.max_handoffs,
         v_new.session_timeout_seconds, v_new.backoff_base_seconds, v_new.backoff_max_seconds,
-        v_new.accepts_from, v_new.paused, v_new.config) then
+        v_new.accepts_from, v_new.paused, v_new.config, v_new.paused_reason, v_new.retired_at) then
         return 'unchanged';
     end if;
     perform fleet._event('lane_updated', p_name, null, null, p_settings);
@@ -78,6 +107,157 @@ end
 $$;
 revoke all on function fleet.sync_lane(text,jsonb) from public;
 grant execute on function fleet.sync_lane(text,jsonb) to service_role;
+
+-- Set (p_reason) or clear (NULL) the pause lanefleet puts on a lane whose config it found wrong,
+-- journaled as lane_paused / lane_unpaused with what said so (p_by: 'sync', 'preflight', 'run').
+-- The caller has checked the lane is the caller's; nothing happens when the reason is the same.
+create or replace function fleet._set_paused_reason(p_lane text, p_reason text, p_by text,
+                                                    p_detail jsonb default '{}')
+returns boolean
+language plpgsql
+as $$
+declare
+    v_was text;
+begin
+    select paused_reason into v_was from fleet.lanes where name = p_lane for no key update;
+    if v_was is not distinct from p_reason then
+        return false;
+    end if;
+    update fleet.lanes
+       set paused_reason = p_reason, paused_at = case when p_reason is not null then now() end,
+           updated_at = now()
+     where name = p_lane;
+    perform fleet._event(case when p_reason is null then 'lane_unpaused' else 'lane_paused' end, p_lane, null, null,
+        jsonb_strip_nulls(coalesce(p_detail, '{}') || jsonb_build_object('reason', p_reason, 'was', v_was,
+                                                                         'by', p_by, 'caller', fleet._caller())));
+    return true;
+end
+$$;
+revoke all on function fleet._set_paused_reason(text,text,text,jsonb) from public;
+grant execute on function fleet._set_paused_reason(text,text,text,jsonb) to service_role;
+
+-- A preflight (a shift's start, `fleet run`) found the lane's config wrong on this host: the lane is
+-- paused with the reason (nothing is claimed) until a sync of a fixed config clears it. 'paused',
+-- or 'unchanged' when it was paused for that reason already. A worker key may pause its own lanes.
+create or replace function fleet.pause_lane(p_lane text, p_reason text)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+begin
+    perform fleet._require_lane(p_lane);
+    if p_reason is null or btrim(p_reason) = '' then
+        perform fleet._raise('LF005', 'a lane is paused with a reason', 'say what is wrong with its config');
+    end if;
+    perform fleet._lane(p_lane);  -- LF002 unknown, LF009 retired
+    return case when fleet._set_paused_reason(p_lane, left(p_reason, 2000), 'preflight') then 'paused'
+                else 'unchanged' end;
+end
+$$;
+revoke all on function fleet.pause_lane(text,text) from public;
+grant execute on function fleet.pause_lane(text,text) to fleet_worker, fleet_operator, service_role;
+
+-- How long a task of the lane waits after a failed attempt: backoff_base_seconds * 2^(failures
+-- before this one), at most backoff_max_seconds. The one rule of fleet.fail and of a batch member's
+-- eviction (fleet.batch_member_evicted).
+create or replace function fleet._backoff(l fleet.lanes, p_failures_before int)
+returns interval
+language sql
+immutable
+as $$
+    select make_interval(secs => least(l.backoff_max_seconds::numeric,
+                                       l.backoff_base_seconds * power(2::numeric, least(greatest(p_failures_before, 0), 30)))
+                                 ::double precision);
+$$;
+revoke all on function fleet._backoff(fleet.lanes,integer) from public;
+grant execute on function fleet._backoff(fleet.lanes,integer) to service_role;
+
+-- Whether a claim may take the lane's tasks: neither paused (by the operator, or by lanefleet with
+-- a reason) nor retired.
+create or replace function fleet._lane_claimable(l fleet.lanes)
+returns boolean
+language sql
+immutable
+as $$
+    select not l.paused and l.paused_reason is null and l.retired_at is null;
+$$;
+revoke all on function fleet._lane_claimable(fleet.lanes) from public;
+grant execute on function fleet._lane_claimable(fleet.lanes) to fleet_operator, service_role;
+
+-- Retire a lane (`fleet lanes retire`): it refuses enqueues and routes into it (LF009), is never
+-- claimed, and stays retired through `fleet lanes sync` unless fleet.toml says `retired = false`
+-- or fleet.unretire_lane brings it back. Refused (LF004, nothing changed) while the lane has live
+-- tasks (queued, running, blocked, review, batched: what is not done, dead or cancelled), naming
+-- how many of each. Its finished tasks, runs and journal stay. 'retired', or 'unchanged'.
+create or replace function fleet.retire_lane(p_lane text)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    l fleet.lanes;
+    v_live text;
+    v_total bigint;
+begin
+    perform fleet._require_lane(p_lane);
+    -- FOR UPDATE: waits for the enqueues in flight (fleet._lane: FOR KEY SHARE) and holds off new ones
+    select * into l from fleet.lanes where name = p_lane for update;
+    if not found then
+        perform fleet._lane(p_lane);  -- LF002, naming the known lanes
+    end if;
+    if l.retired_at is not null then
+        return 'unchanged';
+    end if;
+    select string_agg(format('%s %s', n, state), ', ' order by min_ord), sum(n)
+      into v_live, v_total
+      from (select t.state, count(*) as n,
+                   min(array_position(array['queued', 'running', 'blocked', 'review', 'batched'], t.state)) as min_ord
+              from fleet.tasks t
+             where t.lane = p_lane and t.state not in ('done', 'dead', 'cancelled')
+             group by t.state) live;
+    if v_total > 0 then
+        perform fleet._raise('LF004',
+            format('lane %s has %s live task%s (%s): it is retired only when none is left', p_lane, v_total,
+                   case when v_total = 1 then '' else 's' end, v_live),
+            'let them finish, or `fleet cancel` them (`fleet tasks --lane ' || p_lane || '` lists them)');
+    end if;
+    update fleet.lanes set retired_at = now(), updated_at = now() where name = p_lane;
+    perform fleet._event('lane_retired', p_lane, null, null, jsonb_build_object('by', fleet._caller()));
+    return 'retired';
+end
+$$;
+revoke all on function fleet.retire_lane(text) from public;
+grant execute on function fleet.retire_lane(text) to fleet_operator, service_role;
+
+-- Bring a retired lane back (`fleet lanes unretire`): it takes tasks again. 'unretired', or
+-- 'unchanged' for a lane that was not retired.
+create or replace function fleet.unretire_lane(p_lane text)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    l fleet.lanes;
+begin
+    perform fleet._require_lane(p_lane);
+    select * into l from fleet.lanes where name = p_lane for no key update;
+    if not found then
+        perform fleet._lane(p_lane);  -- LF002, naming the known lanes
+    end if;
+    if l.retired_at is null then
+        return 'unchanged';
+    end if;
+    update fleet.lanes set retired_at = null, updated_at = now() where name = p_lane;
+    perform fleet._event('lane_unretired', p_lane, null, null,
+        jsonb_build_object('retired_at', l.retired_at, 'by', fleet._caller()));
+    return 'unretired';
+end
+$$;
+revoke all on function fleet.unretire_lane(text) from public;
+grant execute on function fleet.unretire_lane(text) to fleet_operator, service_role;
 
 create or replace function fleet.sync_pool(p_name text, p_slots int)
 returns text

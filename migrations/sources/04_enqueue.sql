@@ -209,6 +209,12 @@ begin
         return;
     end if;
 
+    -- the lanes named, FOR KEY SHARE (as fleet._lane): a retire in flight is waited for, then read
+    perform 1 from fleet.lanes l
+     where l.name in (select coalesce(case when jsonb_typeof(x -> 'lane') = 'string' then x ->> 'lane' end, p_lane)
+                        from jsonb_array_elements(p_tasks) x)
+       for key share;
+
     -- is the whole array within the smallest payload cap of any lane? (then no payload is past its
     -- lane's: the check per element is skipped)
     v_small := octet_length(p_tasks::text) <= (select min(fleet._max_payload_bytes(l)) from fleet.lanes l);
@@ -231,6 +237,8 @@ begin
                    when not (v_allowed is null or e.lane = any (v_allowed)) then 'lane_forbidden'
                    when length(e.key) not between 1 and 200 then 'key_length'
                    when not exists (select 1 from fleet.lanes l where l.name = e.lane) then 'lane_unknown'
+                   when exists (select 1 from fleet.lanes l where l.name = e.lane and l.retired_at is not null)
+                        then 'lane_retired'
                    when coalesce(jsonb_typeof(e.t -> 'payload'), 'null') not in ('object', 'null') then 'payload'
                    when not v_small and jsonb_typeof(e.t -> 'payload') = 'object'
                         and octet_length((e.t -> 'payload')::text)
@@ -316,6 +324,9 @@ begin
             perform fleet._raise('LF002', v_where || format('unknown lane %L', left(v_bad.lane, 100)),
                 'known lanes: ' || coalesce((select string_agg(name, ', ' order by name) from fleet.lanes), 'none')
                 || '; run `fleet lanes sync` after adding it to fleet.toml');
+        when 'lane_retired' then
+            perform fleet._raise('LF009', v_where || format('lane %s is retired: it takes no tasks', v_bad.lane),
+                format('`fleet lanes unretire %s` brings it back', v_bad.lane));
         when 'payload' then
             perform fleet._raise('LF005', v_where || format('payload must be a JSON object, not a JSON %s',
                 jsonb_typeof(v_bad.detail -> 'payload')));

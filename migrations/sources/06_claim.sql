@@ -42,7 +42,8 @@ begin
        or (l.config ->> 'daily_budget_usd') is not null or (l.config ->> 'daily_budget_tokens') is not null then
         select * into l from fleet.lanes where name = s.lane for no key update;
     end if;
-    if l.paused or p_limit = 0 or now() >= s.deadline then
+    -- paused (by the operator, or by lanefleet for a config it found wrong) or retired: nothing
+    if not fleet._lane_claimable(l) or p_limit = 0 or now() >= s.deadline then
         return;
     end if;
     v_free := p_limit;

@@ -175,12 +175,11 @@ begin
                lease_token = null, lease_expires_at = null, session_id = null
          where id = p_task;
     else
-        v_delay := least(l.backoff_max_seconds::numeric,
-                         l.backoff_base_seconds * power(2::numeric, least(t.failures, 30)));
+        v_delay := extract(epoch from fleet._backoff(l, t.failures));
         update fleet.tasks
            set state = 'queued', failures = failures + 1, last_error = p_error, tier = v_tier,
                verify_pending = false,
-               run_at = now() + make_interval(secs => v_delay::double precision), updated_at = now(),
+               run_at = now() + fleet._backoff(l, t.failures), updated_at = now(),
                lease_token = null, lease_expires_at = null, session_id = null
          where id = p_task;
     end if;
@@ -529,6 +528,36 @@ end
 $$;
 revoke all on function fleet.drop_session(bigint,uuid,text) from public;
 grant execute on function fleet.drop_session(bigint,uuid,text) to fleet_worker, service_role;
+
+-- The task's agent program could not be started on this host ("command not found": exit 127, a
+-- spawn failure): no attempt on the work was made, so none is spent. The task goes back to the
+-- queue at once (no failure, no hand-off counted; the claim stays counted in attempts), its run
+-- ends not_started, and its lane is paused with the reason (fleet.pause_lane), so that no other task
+-- of it is claimed into the same mistake until a sync of a fixed config clears the pause.
+create or replace function fleet.cannot_start(p_task bigint, p_token uuid, p_error text)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    t fleet.tasks;
+    v_error text := left(coalesce(nullif(btrim(p_error), ''), 'the agent program could not be started'), 2000);
+begin
+    t := fleet._fenced(p_task, p_token);
+    update fleet.tasks
+       set state = 'queued', run_at = now(), last_error = v_error, updated_at = now(),
+           lease_token = null, lease_expires_at = null, session_id = null
+     where id = p_task;
+    perform fleet._end_run(p_token, 'not_started', v_error);
+    perform fleet._event('not_started', t.lane, p_task, t.session_id,
+        jsonb_build_object('attempt', t.attempts, 'error', v_error));
+    perform fleet._set_paused_reason(t.lane, v_error, 'run', jsonb_build_object('task', p_task));
+    return 'queued';
+end
+$$;
+revoke all on function fleet.cannot_start(bigint,uuid,text) from public;
+grant execute on function fleet.cannot_start(bigint,uuid,text) to fleet_worker, service_role;
 
 create or replace function fleet.record_run(p_token uuid, p_report jsonb)
 returns void

@@ -49,6 +49,7 @@ begin
         perform fleet._raise('LF004',
             format('task %s is %s: only dead, cancelled or blocked tasks can be retried', p_task, t.state));
     end if;
+    perform fleet._lane(t.lane);  -- LF009: a retired lane takes no task back
     -- a fresh cap: the operator has decided it deserves more tries
     update fleet.tasks
        set state = 'queued', run_at = now(), failures = 0, evaporations = 0, handoffs = 0, transients = 0,

@@ -112,7 +112,7 @@ begin
           left join lateral (
                 select count(*) as n from fleet.tasks t where t.lane = l.name and t.state = 'running') running
             on true
-         where not l.paused
+         where fleet._lane_claimable(l)
            and ready.n > 0
            and ready.oldest < now() - make_interval(secs => p_idle_seconds)
            and (l.max_running is null or coalesce(running.n, 0) < l.max_running)

@@ -364,8 +364,12 @@ begin
         case when p_usage is null then 'verify-failed' else 'agent-failed' end);
     select * into t from fleet.tasks where id = m.task_id for no key update;
     v_state := case when t.failures + 1 + t.evaporations >= fleet._cap(t) then 'dead' else 'queued' end;
+    -- a failed attempt: the lane's backoff, as fleet.fail gives one (not claimed again at once)
     update fleet.tasks
-       set state = v_state, batch_id = null, failures = failures + 1, updated_at = now(), run_at = now(),
+       set state = v_state, batch_id = null, failures = failures + 1, updated_at = now(),
+           run_at = now() + case when v_state = 'queued'
+                                 then fleet._backoff((select l from fleet.lanes l where l.name = t.lane), t.failures)
+                                 else interval '0' end,
            last_error = left(format('evicted from batch %s (%s): %s', b.id, p_gate, p_evidence), 4000),
            dead_reason = case when v_state = 'dead' then 'attempt-cap' else dead_reason end,
            finished_at = case when v_state = 'dead' then now() end

@@ -28,7 +28,7 @@ with outcomes as (
      group by e.lane
 )
 select l.name as lane,
-       l.paused,
+       l.paused or l.paused_reason is not null as paused,
        q.queued,
        q.ready,
        q.queued - q.ready as scheduled,
@@ -55,7 +55,9 @@ select l.name as lane,
        (l.config ->> 'daily_budget_usd')::numeric as daily_budget_usd,
        (l.config ->> 'daily_budget_tokens')::numeric as daily_budget_tokens,
        coalesce(sp.cost_usd >= (l.config ->> 'daily_budget_usd')::numeric, false)
-           or coalesce(sp.tokens >= (l.config ->> 'daily_budget_tokens')::numeric, false) as over_budget
+           or coalesce(sp.tokens >= (l.config ->> 'daily_budget_tokens')::numeric, false) as over_budget,
+       l.paused_reason,
+       l.retired_at is not null as retired
   from fleet.lanes l
   -- queued rows of the lane: tasks_ready (partial, queued only)
   cross join lateral (
@@ -87,7 +89,8 @@ comment on view fleet.lane_overview is
     'One row per lane: what waits, what runs, free slots, and the outcomes of the last 24 h '
     '(from fleet.events). Reads the live rows through the partial indexes and 24 h of the journal.';
 comment on column fleet.lane_overview.lane is 'the lane';
-comment on column fleet.lane_overview.paused is 'the lane is paused: nothing is claimed';
+comment on column fleet.lane_overview.paused is
+    'the lane is paused (by the operator in fleet.toml, or by lanefleet: paused_reason): nothing is claimed';
 comment on column fleet.lane_overview.queued is 'tasks in state queued (ready now or scheduled later)';
 comment on column fleet.lane_overview.ready is 'queued tasks whose run_at has come: a claim would take them now';
 comment on column fleet.lane_overview.scheduled is 'queued tasks waiting for a later run_at (retry back-off, --run-at)';
@@ -114,6 +117,10 @@ comment on column fleet.lane_overview.blocked is 'tasks blocked until an operato
 comment on column fleet.lane_overview.in_review is 'completed tasks waiting for review (fleet review approve|reject)';
 comment on column fleet.lane_overview.needs_attention is 'running agents waiting on a question or a permission prompt';
 comment on column fleet.lane_overview.over_budget is 'the lane spent its daily budget: no claims until the next UTC day';
+comment on column fleet.lane_overview.paused_reason is
+    'what lanefleet found wrong with the lane''s config (its preflight, an agent program that could not start): '
+    'the lane is paused until `fleet lanes sync` of a fixed config; NULL for an operator''s pause';
+comment on column fleet.lane_overview.retired is 'retired (`fleet lanes retire`): takes no tasks, never claimed';
 comment on column fleet.lane_overview.review_cap is 'the lane''s review_cap: no claims while this many tasks wait in review (NULL: no cap)';
 comment on column fleet.lane_overview.spent_today_usd is 'cost of the lane''s runs started since midnight UTC';
 comment on column fleet.lane_overview.spent_today_tokens is 'tokens (every kind) of the lane''s runs started since midnight UTC';
@@ -689,7 +696,8 @@ $$;
 revoke all on function fleet.lane_summary() from public;
 grant execute on function fleet.lane_summary() to fleet_operator, service_role;
 
--- Ready tasks per lane (the named query ready_by_lane), for `fleet up` over REST. Invoker: RLS.
+-- Ready tasks per lane whose claims may take them (the named query ready_by_lane), for `fleet up`
+-- over REST. Invoker: RLS.
 create or replace function fleet.ready_by_lane()
 returns table (lane text, ready bigint)
 language sql
@@ -697,6 +705,8 @@ stable
 as $$
     select t.lane, count(*) from fleet.tasks t
      where t.state = 'queued' and t.run_at <= now()
+       -- (a paused or retired lane has nothing a shift could claim)
+       and exists (select 1 from fleet.lanes l where l.name = t.lane and fleet._lane_claimable(l))
      group by t.lane;
 $$;
 revoke all on function fleet.ready_by_lane() from public;

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 import typer
 from rich import box
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from monitor.dev.demo import demo_finished, demo_states, queue_demo
@@ -24,7 +25,7 @@ from monitor.outage import Outage
 from monitor.reconcile import monitor_pass
 from worker.cli.context import JsonOpt, console, err_console, rt
 from worker.config import env_settings, flag_duration
-from worker.errors import DatabaseUnavailable, FleetError, InvalidInput
+from worker.errors import DatabaseUnavailable, FleetError, InvalidInput, LaneRetired
 from worker.models import TASK_STATES, WAITING_STATES, RepairAction
 from worker.runtime import Runtime
 
@@ -35,6 +36,11 @@ def actions_table(actions: list[RepairAction]) -> Table:
         table.add_row(a.action, a.lane or "", "" if a.task_id is None else str(a.task_id),
                       str(a.session_id or "")[:8], json.dumps(a.detail, default=str)[:90])
     return table
+
+
+def paused_warning(lane: str, why: str) -> None:
+    err_console.print(f"warning: lane {lane} is paused: {escape(why)} (fix fleet.toml, then `fleet lanes sync`)",
+                      highlight=False, soft_wrap=True)
 
 
 def monitor(
@@ -98,6 +104,17 @@ def run(
     for name in chosen:
         r.cfg.lane(name)
     store = r.store()
+    # a lane whose config is wrong on this host is paused with the reason (its shifts claim nothing);
+    # a retired one gets no shifts
+    for name, why in r.preflight(chosen).items():
+        if why is not None:
+            try:
+                store.pause_lane(name, why)
+            except LaneRetired:
+                continue
+            paused_warning(name, why)
+    retired = {row["name"] for row in store.query("list_lanes") if row["retired_at"] is not None}
+    chosen = [name for name in chosen if name not in retired]
     url = r.url if r.cfg.fleet.store == "postgres" else None
     launcher = ShiftLauncher(r.cfg, shift_env(r.cfg, url, r.config_path),
                              log_dir=r.cfg.path(r.cfg.fleet.home) / "logs")
@@ -204,9 +221,13 @@ def up(
     url = r.url  # starts or reuses the embedded server when no database is configured
     result = r.migrate()  # (a database that cannot be reached: one line, and nothing written here)
     hold_up_lock(ctx, r)  # before anything is synced or started: a second `fleet up` here starts nothing
+    reasons = r.preflight()
+    synced = r.sync_lanes(reasons)
+    for name, why in reasons.items():
+        if why is not None and synced.get(name) != "retired":
+            paused_warning(name, why)
     # calls fail within seconds while the database restarts: the loop below waits it out
     store = r.store(call_budget=UP_CALL_BUDGET)
-    r.sync_lanes()
     console.print(f"{r.database[:1].upper()}{r.database[1:]} is ready; {len(result.applied)} migration(s) applied; "
                   f"lanes: {', '.join(sorted(r.cfg.lanes))}", highlight=False, soft_wrap=True)
     prefix = None

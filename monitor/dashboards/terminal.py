@@ -61,7 +61,8 @@ def render_status(data: dict[str, Any]) -> RenderableType:
                   "done 24h", "failed", "dead", "cancelled", "retries", "hand-offs", "repairs",
                   "shifts", "last hand-off", title="lanes", title_justify="left")
     for row in data["lanes"]:
-        name = row["lane"] + (" [yellow](paused)[/]" if row["paused"] else "")
+        name = row["lane"] + (" [dim](retired)[/]" if row.get("retired") else
+                              " [yellow](paused)[/]" if row["paused"] else "")
         lanes.add_row(name, str(row["queued"]), str(row["ready"]), str(row["scheduled"]),
                       str(row["running"]), "∞" if row["slots"] is None else str(row["slots"]),
                       "—" if row["idle_slots"] is None else str(row["idle_slots"]),
@@ -70,6 +71,10 @@ def render_status(data: dict[str, Any]) -> RenderableType:
                       str(row["retries_24h"]), str(row["handoffs_24h"]), _red(row["repairs_24h"]),
                       str(row["active_sessions"]), _ago(now, row["last_handoff_at"]))
     parts: list[RenderableType] = [lanes]
+    for row in data["lanes"]:
+        if row.get("paused_reason") and not row.get("retired"):
+            parts.append(Text(f"lane {row['lane']} paused: {row['paused_reason']} (fix fleet.toml, then "
+                              "`fleet lanes sync`)", style="yellow"))
 
     if data["stuck"]:
         stuck = Table("task", "lane", "key", "why", "running", "lane p95", "lease left", "shift",

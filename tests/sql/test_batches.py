@@ -217,3 +217,17 @@ def test_an_unknown_batch_profile_names_only_what_the_key_may_see(conn: psycopg.
         call(conn, "batch_create", "code", ["m1"], 4, "nope")
     assert err.value.sqlstate == "LF005" and "unknown profile 'nope'" in str(err.value)
     assert err.value.diag.message_hint == "the profiles of lane code: code-prof"
+
+
+def test_an_evicted_member_waits_the_lanes_backoff_as_a_failed_attempt_does(conn: psycopg.Connection) -> None:
+    carrier, ctok, _batch = one_member_batch(conn, ["m", "n"])
+    conn.execute("update fleet.lanes set backoff_base_seconds = 100, backoff_max_seconds = 150 where name = 'code'")
+    assert call(conn, "batch_member_gate", carrier, ctok, 1, "task-failed", "2 tests fail", None) == "evicted"
+    wait = one(conn, "select extract(epoch from run_at - now()) from fleet.tasks where key = 'm'")
+    assert 95 < wait <= 100, wait  # base * 2^0: its first failure
+    # not claimed again at once (a fresh session of the lane, with free slots, takes nothing of it)
+    s = open_session(conn, "code", host="host-2")
+    assert "m" not in [r["key"] for r in rows(conn, "select * from fleet.claim(%s, 5)", (s,))]
+    # the rule is fleet.fail's: a second failure waits twice as long, within backoff_max_seconds
+    conn.execute("update fleet.tasks set failures = 1 where key = 'm'")
+    assert one(conn, "select extract(epoch from fleet._backoff(l, 1)) from fleet.lanes l where name = 'code'") == 150

@@ -4,7 +4,8 @@ task's key), fleet.transient, fleet.drop_session, fleet.throttle's floor, signal
 set it — and its run record, fleet.record_run (the same answer to a made-up token and to another
 lane's); called over psycopg
 against a real, freshly migrated PostgreSQL. Every transition, every refusal, the events row each
-transition writes, and the races a finishing call must win or lose cleanly. (fleet.block and
+transition writes, and the races a finishing call must win or lose cleanly; fleet.cannot_start (an
+agent program that could not start: the task back unspent, its lane paused). (fleet.block and
 fleet.throttle are also exercised through real shifts: tests/test_dispatch.py,
 tests/test_guardrails.py; the fence of these calls: tests/sql/test_lease.py.)
 """
@@ -1137,6 +1138,40 @@ def test_drop_session_is_fenced(conn, lane, session):
         drop_session(conn, task_id, uuid.uuid4())
     assert world(conn) == before
     assert task(conn, task_id)["agent_session"] == "ag-1"
+
+
+def test_cannot_start_hands_the_task_back_unspent_and_pauses_its_lane(conn, lane, session):
+    first, second = enqueue(conn, lane, "k1"), enqueue(conn, lane, "k2")
+    t = claim_one(conn, session)
+    assert t["id"] == first
+    error = "lanes.a: the agent program 'claudee' cannot start on host-1: not found on PATH (exit 127)"
+    assert one(conn, "select fleet.cannot_start(%s, %s, %s)", (first, t["lease_token"], error)) == "queued"
+    after = task(conn, first)
+    assert (after["state"], after["failures"], after["evaporations"], after["handoffs"], after["attempts"]) == (
+        "queued", 0, 0, 0, 1)
+    assert after["last_error"] == error and after["lease_token"] is None and after["session_id"] is None
+    [run] = runs(conn, first)
+    assert (run["outcome"], run["error_tail"]) == ("not_started", error)
+    assert last_event(conn, first)["kind"] == "not_started"
+    assert one(conn, "select paused_reason from fleet.lanes where name = %s", (lane,)) == error
+    [paused] = rows(conn, "select detail from fleet.events where kind = 'lane_paused'")
+    assert (paused["detail"]["by"], paused["detail"]["task"]) == ("run", first)
+    # the lane claims nothing more into the same mistake: the other task, and this one, wait
+    assert claim(conn, session, 5) == []
+    assert task(conn, second)["state"] == "queued"
+    # a sync of the fixed config clears the pause: both are claimed, the first with its attempts intact
+    one(conn, "select fleet.sync_lane(%s, %s)", (lane, Jsonb({"paused_reason": None})))
+    assert sorted(t["id"] for t in claim(conn, session, 5)) == [first, second]
+
+
+def test_cannot_start_is_fenced(conn, lane, session):
+    task_id = enqueue(conn, lane, "k")
+    claim_one(conn, session)
+    before = world(conn)
+    with refused(LEASE_LOST):
+        one(conn, "select fleet.cannot_start(%s, %s, 'nope')", (task_id, uuid.uuid4()))
+    assert world(conn) == before
+    assert one(conn, "select paused_reason from fleet.lanes where name = %s", (lane,)) is None
 
 
 # ------------------------------------------------------------------------------------------------

@@ -477,10 +477,11 @@ def test_idle_capacity_is_reported_and_journalled_once_per_idle_period(conn):
     assert ("idle_capacity", "unlimited") in [(r["action"], r["lane"]) for r in reconcile(conn, idle=300)]
 
 
-@pytest.mark.parametrize("why", ["paused", "active-session", "slots-full", "no-slots"])
+@pytest.mark.parametrize("why", ["paused", "preflight-paused", "active-session", "slots-full", "no-slots"])
 def test_idle_capacity_not_reported(conn, why):
     sync_lane(conn, "other")
-    sync_lane(conn, "x", max_running=0 if why == "no-slots" else 1, paused=(why == "paused"))
+    sync_lane(conn, "x", max_running=0 if why == "no-slots" else 1, paused=(why == "paused"),
+              paused_reason="lanes.x.instructions: missing" if why == "preflight-paused" else None)
     _ready_since(conn, "x", 400)
     if why == "active-session":
         open_session(conn, "x")
@@ -499,7 +500,7 @@ def test_idle_capacity_not_reported(conn, why):
     conn.execute("update fleet.sessions set state = 'ended', ended_at = now()")
     conn.execute("update fleet.tasks set state = 'queued', lease_token = null, lease_expires_at = null, "
                  "session_id = null where state = 'running'")
-    conn.execute("update fleet.lanes set paused = false, max_running = 5 where name = 'x'")
+    conn.execute("update fleet.lanes set paused = false, paused_reason = null, max_running = 5 where name = 'x'")
     assert [r["lane"] for r in reconcile(conn, idle=300) if r["action"] == "idle_capacity"] == ["x"]
 
 

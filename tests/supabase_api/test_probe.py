@@ -83,6 +83,7 @@ NEUTRAL = {
     "p_lane_config", "p_usage", "p_tier", "p_bytes", "p_bytes_freed", "p_retryable", "p_until",
     "p_after_seconds", "p_signal", "p_idle_seconds", "p_overdue_grace_seconds", "p_split",
     "p_max_attempts", "p_title", "p_run_at", "p_max_cost_usd", "p_max_tokens", "p_throttle_floor", "p_path",
+    "p_failures_before", "p_by",
     # rows of a table: the private helpers that take one (no key role may call them)
     "b", "m", "t", "l",
     # a private helper of fleet.route (no key role may call it): the task already holding a key

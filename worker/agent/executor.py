@@ -48,6 +48,11 @@ TASK_ENV = frozenset({
 _PLACEHOLDER = re.compile(r"\{(prompt_file|workspace|model|task_id|agent_session)\}")
 
 
+class ProgramNotFound(FileNotFoundError):
+    """The program of an argv is not found on the PATH it would run with (checked before a sandbox
+    is made around it): it never ran."""
+
+
 def render_argv(template: list[str], values: Mapping[str, str]) -> list[str]:
     """Fill the placeholders of an argv template (other braces are left alone).
 
@@ -105,9 +110,10 @@ class AgentProcess:
     """One agent under its supervisor. Close the pipe (``kill``) and the agent's group dies."""
 
     def __init__(self, argv: list[str], *, cwd: Path, env: Mapping[str, str], log_path: Path,
-                 stdin: Path | None = None, sandbox: Sequence[str] = ()) -> None:
+                 stdin: Path | None = None, sandbox: Sequence[str] = (), label: str = "the agent") -> None:
         """``stdin``: a file the agent reads on its standard input (the prompt; else nothing).
-        ``sandbox``: the argv prefix that runs it in a sandbox (worker.agent.sandbox), if any."""
+        ``sandbox``: the argv prefix that runs it in a sandbox (worker.agent.sandbox), if any.
+        ``label``: what it is, as the line saying it cannot start names it ("verify gate")."""
         self.argv = argv
         self.log_path = log_path
         self.sandboxed = bool(sandbox)
@@ -116,7 +122,7 @@ class AgentProcess:
         self.fenced_from: float | None = None  # the last SIGTERM moment its supervisor was told of
         read_end, self._write_end = os.pipe()  # both ends close-on-exec; the child gets read_end only
         os.set_blocking(self._write_end, False)  # fence() from the fence's thread never waits
-        marker = ["--sandboxed"] if sandbox else []
+        marker = [*(["--sandboxed"] if sandbox else []), f"--label={label}"]
         try:
             # the log is the agent's output: its owner's alone, as what an agent prints may be a secret
             log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)

@@ -1,6 +1,6 @@
 """The agent's supervisor: a small process beside each agent that kills it when the shift dies.
 
-``python -m worker.agent.supervisor FD -- ARGV...``. The shift creates a pipe, keeps the write end, and
+``python -m worker.agent.supervisor FD [--label=WHAT] -- ARGV...``. The shift creates a pipe, keeps the write end, and
 passes the read end as FD; it starts the supervisor in a session of its own, so a terminal's
 Ctrl-C or a kill of the shift's process group does not reach it. The supervisor starts the agent
 in yet another session (the agent's process group: the agent and everything it spawns) and
@@ -21,7 +21,9 @@ and would die of them at once, leaving the supervisor to SIGKILL the group befor
 stop: a graceful stop then goes to the group's other processes (the agent and its own), and the
 launcher ends when the agent does, with its exit code. SIGKILL still goes to the whole group, and
 killing the launcher tears down the sandbox's PID namespace, whatever is in it. When the agent exits, whatever it left running in its group
-is killed too. The supervisor exits with the agent's exit code (128+N when it died of signal N).
+is killed too. The supervisor exits with the agent's exit code (128+N when it died of signal N), or 127 with one
+line ``lanefleet: <WHAT> '<program>' cannot start: <why>`` when the program could not be started
+(WHAT: ``--label``, default "the agent"; a verify gate's says "verify gate").
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+
+#: the exit of a supervisor whose program could not be started (a shell's "command not found")
+CANNOT_START = 127
 
 
 def _kill_group(pgid: int, sig: int) -> None:
@@ -135,11 +140,18 @@ def _watch(fd: int, pgid: int, clock: Callable[[], float] = time.monotonic, sand
 
 
 def main(argv: list[str]) -> int:
-    sandboxed = len(argv) > 1 and argv[1] == "--sandboxed"
-    if sandboxed:
+    sandboxed = False
+    label = "the agent"  # what it runs, as its "cannot start" line names it (e.g. "verify gate")
+    while len(argv) > 1 and argv[1] != "--":
+        if argv[1] == "--sandboxed":
+            sandboxed = True
+        elif argv[1].startswith("--label="):
+            label = argv[1].split("=", 1)[1]
+        else:
+            break
         argv = [argv[0], *argv[2:]]
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: python -m worker.agent.supervisor FD [--sandboxed] -- ARGV...", file=sys.stderr)
+        print("usage: python -m worker.agent.supervisor FD [--sandboxed] [--label=WHAT] -- ARGV...", file=sys.stderr)
         return 2
     fd = int(argv[0])
     command = argv[2:]
@@ -156,8 +168,8 @@ def main(argv: list[str]) -> int:
     try:
         agent = subprocess.Popen(command, start_new_session=True)
     except OSError as exc:
-        print(f"lanefleet: cannot start the agent {command[0]!r}: {exc.strerror}", file=sys.stderr)
-        return 127
+        print(f"lanefleet: {label} {command[0]!r} cannot start: {exc.strerror}", file=sys.stderr)
+        return CANNOT_START
     agent_pid.append(agent.pid)
     threading.Thread(target=_watch, args=(fd, agent.pid), kwargs={"sandboxed": sandboxed}, daemon=True).start()
     code = agent.wait()

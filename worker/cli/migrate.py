@@ -1,15 +1,17 @@
-"""``fleet migrate`` and ``fleet lanes sync|list``: the schema and the lanes in the database."""
+"""``fleet migrate`` and ``fleet lanes sync|list|retire|unretire``: the schema and the lanes in the database."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from datetime import datetime
+from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from worker.cli.context import JsonOpt, console, emit_json, rt
+from worker.cli.context import JsonOpt, console, emit_json, err_console, rt
 
-lanes_app = typer.Typer(no_args_is_help=True, help="Lanes: sync them from fleet.toml, list them.")
+lanes_app = typer.Typer(no_args_is_help=True, help="Lanes: sync them from fleet.toml, list them, retire them.")
 
 
 def migrate(
@@ -52,25 +54,68 @@ def migrate(
 
 @lanes_app.command("sync")
 def lanes_sync(ctx: typer.Context, as_json: JsonOpt = False) -> None:
-    """Write the lanes of the config into fleet.lanes (create or update)."""
-    result = rt(ctx).sync_lanes()
+    """Write the config's lanes into fleet.lanes (create or update), after a preflight of each.
+
+    A lane whose config is wrong on this host is paused with the reason; one whose config is
+    fixed is unpaused."""
+    r = rt(ctx)
+    reasons = r.preflight()
+    result = r.sync_lanes(reasons)
+    rows = r.store().query("list_lanes")
+    paused = {name: why for name, why in reasons.items() if why and result.get(name) != "retired"}
+    others = [row["name"] for row in rows if row["name"] not in r.cfg.lanes and row["retired_at"] is None]
     if as_json:
-        emit_json(result)
+        emit_json({"synced": result, "paused": paused, "not_in_config": others})
         return
     for name, what in result.items():
-        console.print(f"lane {name}: {what}")
+        if what == "retired":
+            what = (f"retired (it stays so: `fleet lanes unretire {name}`, or retired = false in "
+                    f"[lanes.{name}], brings it back)")
+        console.print(f"lane {name}: {escape(what)}", highlight=False, soft_wrap=True)
+    for name, why in paused.items():
+        err_console.print(f"lane {name}: paused: {escape(why)} (fix fleet.toml, then `fleet lanes sync` again)",
+                          highlight=False, soft_wrap=True)
+    for name in others:
+        console.print(f"lane {name}: in the database, not in the config (`fleet lanes retire {name}` retires it)",
+                      highlight=False, soft_wrap=True)
+
+
+def lane_state(row: dict[str, Any]) -> str:
+    """A lane row's state, as `fleet lanes list` shows it."""
+    when = row.get("retired_at")
+    if when is not None:
+        return f"retired {when:%Y-%m-%d %H:%M %Z}" if isinstance(when, datetime) else f"retired {when}"
+    said = ["paused (fleet.toml)"] if row["paused"] else []
+    if row.get("paused_reason"):
+        said.append(f"paused: {row['paused_reason']}")
+    return "; ".join(said) or "active"
 
 
 @lanes_app.command("list")
 def lanes_list(ctx: typer.Context, as_json: JsonOpt = False) -> None:
-    """The lanes in the database."""
+    """The lanes in the database: settings, and whether each is active, paused (and why) or retired."""
     rows = rt(ctx).store().query("list_lanes")
     if as_json:
         emit_json(rows)
         return
-    table = Table("lane", "max_running", "lease_s", "max_attempts", "max_handoffs", "paused", "accepts_from")
+    table = Table("lane", "max_running", "lease_s", "max_attempts", "max_handoffs", "state", "accepts_from")
     for row in rows:
         table.add_row(row["name"], str(row["max_running"] if row["max_running"] is not None else "∞"),
                       str(row["lease_seconds"]), str(row["max_attempts"]), str(row["max_handoffs"]),
-                      "yes" if row["paused"] else "", ", ".join(row["accepts_from"] or []))
+                      escape(lane_state(row)), ", ".join(row["accepts_from"] or []))
     console.print(table)
+
+
+@lanes_app.command("retire")
+def lanes_retire(ctx: typer.Context, lane: Annotated[str, typer.Argument(help="the lane to retire")]) -> None:
+    """Retire a lane: it refuses new tasks and is never claimed; refused while it has live tasks."""
+    what = rt(ctx).store().retire_lane(lane)
+    console.print(f"lane {lane}: {'retired' if what == 'retired' else 'already retired'}; "
+                  f"`fleet lanes unretire {lane}` brings it back", highlight=False)
+
+
+@lanes_app.command("unretire")
+def lanes_unretire(ctx: typer.Context, lane: Annotated[str, typer.Argument(help="the lane to bring back")]) -> None:
+    """Bring a retired lane back: it takes tasks again."""
+    what = rt(ctx).store().unretire_lane(lane)
+    console.print(f"lane {lane}: {'back' if what == 'unretired' else 'was not retired'}", highlight=False)

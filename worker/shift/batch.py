@@ -99,7 +99,7 @@ class BatchShift(Protocol):
     def environment(self, d: Dispatch, lease: UUID | None, **task_vars: str) -> dict[str, str]: ...
     def start_gate(self, ws: Workspace, env: dict[str, str], gate_log: Path, d: Dispatch) -> AgentProcess: ...
     def agent_process(self, argv: list[str], *, cwd: Path, env: dict[str, str], log_path: Path,
-                      dispatch: Dispatch, stdin: Path | None = None) -> AgentProcess: ...
+                      dispatch: Dispatch, stdin: Path | None = None, label: str = "the agent") -> AgentProcess: ...
     def count(self, outcome: str) -> None: ...
 
 
@@ -497,7 +497,7 @@ class BatchRunner:
             self._call("batch_tail", p_step="ship_started", p_outcome={"attempt": self.task.attempts})
         self.running = _Proc(step, self.shift.agent_process(render_argv(argv, values), cwd=ws.root, env=env,
                                                             log_path=self._log_path(None, step),
-                                                            dispatch=self._dispatch(None)),
+                                                            dispatch=self._dispatch(None), label=step),
                              until=time.monotonic() + self.lane.verify_timeout if step == "batch_verify" else None)
         self.log.info(f"batch {step} started", pid=self.running.proc.pid)
 

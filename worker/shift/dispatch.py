@@ -123,6 +123,9 @@ def classify_gate(code: int | None, output: str, *, timed_out: bool = False) -> 
         return "ok", evidence
     if code == GATE_CANNOT_JUDGE:
         return "capability-unavailable", evidence or "the gate exited 125: it cannot judge this work"
+    started = cannot_start_line(output) if code == 127 else None
+    if started is not None:
+        return "automation-broken", started  # "verify gate 'X' cannot start: ...", the supervisor's
     if code is None or code in (126, 127) or code > 128:
         why = {126: "is not executable", 127: "could not be started (command not found?)"}.get(
             code or 0, f"was killed (exit {code})")
@@ -130,6 +133,16 @@ def classify_gate(code: int | None, output: str, *, timed_out: bool = False) -> 
     if not evidence:
         return "automation-broken", f"the gate exited {code} without any output: no evidence the work is wrong"
     return "task-failed", evidence
+
+
+def cannot_start_line(output: str) -> str | None:
+    """The supervisor's line saying what could not be started (worker/agent/supervisor.py), without
+    its ``lanefleet:`` prefix: "the agent 'claudee' cannot start: No such file or directory"."""
+    for line in reversed(output.splitlines()):
+        line = line.strip()
+        if line.startswith("lanefleet: ") and " cannot start: " in line:
+            return line.removeprefix("lanefleet: ")
+    return None
 
 
 #: what ``fleet profiles`` shows for what a spawn fills in (the prompt file and workspace are per

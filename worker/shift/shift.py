@@ -31,7 +31,15 @@ from uuid import UUID
 import structlog
 
 from worker.agent.adapters import ADAPTERS, Reading, StreamReader, Tokens
-from worker.agent.executor import EX_TEMPFAIL, AgentProcess, agent_env, base_env, render_argv, tail
+from worker.agent.executor import (
+    EX_TEMPFAIL,
+    AgentProcess,
+    ProgramNotFound,
+    agent_env,
+    base_env,
+    render_argv,
+    tail,
+)
 from worker.agent.prices import run_report, spent
 from worker.agent.sandbox import (
     AgentRules,
@@ -41,12 +49,21 @@ from worker.agent.sandbox import (
     read_env_file,
     rules_for,
 )
+from worker.agent.supervisor import CANNOT_START
 from worker.config import FleetConfig, LaneConfig
 from worker.errors import ConfigError, DatabaseUnavailable, FleetError, LeaseLost, SessionLost
 from worker.models import LaneHandoff, Task
+from worker.preflight import lane_problems, reason
 from worker.proc import process_start_time
 from worker.shift.batch import BatchRunner
-from worker.shift.dispatch import Dispatch, banner, classify_gate, lane_dispatch, resolve
+from worker.shift.dispatch import (
+    Dispatch,
+    banner,
+    cannot_start_line,
+    classify_gate,
+    lane_dispatch,
+    resolve,
+)
 from worker.shift.fence import Fence, term_window
 from worker.shift.guard import GuardServer
 from worker.shift.limits import judge
@@ -357,9 +374,20 @@ class Shift:
                           "agent_session": session or ""}
                 agent = self.agent_process(d.argv(values), cwd=ws.root, env=env, log_path=log_path,
                                            stdin=ws.prompt_file, dispatch=d)
+        except ProgramNotFound as exc:
+            held = task.lease_token
+            assert held is not None
+            if gate_only:
+                evidence = _cannot_start("verify gate", exc)
+                log.error("the verify gate cannot start", error=evidence)
+                self._call(task.id, lambda: self.store.gate_verdict(task.id, held, "automation-broken", evidence, None),
+                           VERDICT)
+            else:
+                self._not_started(task, held, _cannot_start("the agent", exc), log)
+            return
         except OSError as exc:
             log.error("could not start the agent", error=str(exc))
-            error, token = f"could not start the agent: {exc}", task.lease_token
+            error, token = f"could not start {'the verify gate' if gate_only else 'the agent'}: {exc}", task.lease_token
             assert token is not None
             self._call(task.id, lambda: self.store.fail(task.id, token, error), "failed")
             return
@@ -439,9 +467,15 @@ class Shift:
 
     def preflight(self) -> None:
         """Refuse to start (a ConfigError: one line naming the field and the fix) a shift whose agents
-        could not run as their lane asks: an ``agent_env_file`` that is missing, not the shift
-        user's or readable by others; a bwrap sandbox this host cannot make. Checked for each
-        dispatch of the lane, before the shift opens its session: nothing is claimed or written."""
+        could not run as their lane asks, before the shift opens its session.
+
+        What only this host's setup decides — an ``agent_env_file`` that is missing, not the shift
+        user's or readable by others; a bwrap sandbox this host cannot make — refuses with nothing
+        written. What is wrong with the lane's config (worker/preflight.py: its instructions, its
+        agent programs on the PATH its agents get, its hidden-file sets) also pauses the lane with
+        the reason, so that no shift claims its tasks into the same mistake until ``fleet lanes
+        sync`` of a fixed config clears it."""
+        paths: dict[str, str | None] = {}
         for d in lane_dispatch(self.cfg, self.lane_name):
             rules = self.rules(d)
             for where, path in rules.env_files:
@@ -452,6 +486,15 @@ class Shift:
             if missing:
                 self.log.warning("agent_env names variables the shift's environment does not have",
                                  where=rules.where, missing=missing)
+            field = f"profiles.{d.profile}" if d.profile else f"lanes.{self.lane_name}"
+            paths.setdefault(field, base_env(os.environ, rules.env, self._env_values(rules)).get("PATH"))
+        problems = lane_problems(self.cfg, self.lane_name, host=self.host,
+                                 path=lambda where: paths.get(where.rsplit(".", 1)[0], os.environ.get("PATH")))
+        why = reason(problems)
+        if why is not None:
+            self.store.pause_lane(self.lane_name, why)
+            self.log.error("lane paused: its config is wrong", reason=why)
+            raise ConfigError(f"lane {self.lane_name} paused: {why}", "fix fleet.toml, then `fleet lanes sync`")
 
     def _env_file(self, where: str, path: Path) -> dict[str, str]:
         if path not in self._env_files:
@@ -483,10 +526,11 @@ class Shift:
         argv = render_argv(self.lane.verify, {"workspace": str(ws.root), "task_id": env["FLEET_TASK_ID"],
                                               "model": env["FLEET_MODEL"], "prompt_file": str(ws.prompt_file),
                                               "agent_session": env["FLEET_AGENT_SESSION"]})
-        return self.agent_process(argv, cwd=ws.root, env={**env, "FLEET_GATE": "1"}, log_path=gate_log, dispatch=d)
+        return self.agent_process(argv, cwd=ws.root, env={**env, "FLEET_GATE": "1"}, log_path=gate_log, dispatch=d,
+                                  label="verify gate")
 
     def agent_process(self, argv: list[str], *, cwd: Path, env: dict[str, str], log_path: Path,
-                      dispatch: Dispatch, stdin: Path | None = None) -> AgentProcess:
+                      dispatch: Dispatch, stdin: Path | None = None, label: str = "the agent") -> AgentProcess:
         """Start an agent (or a gate, or a batch step) of ``dispatch`` under its supervisor, which is
         told at once when this shift's lease could run out (see worker/shift/fence.py); in a bwrap
         sandbox when its rules say so (OSError when it cannot be: the program is not found, or
@@ -500,12 +544,12 @@ class Shift:
             name = argv[0] if os.path.isabs(argv[0]) or os.sep not in argv[0] else str(cwd / argv[0])
             program = shutil.which(name, path=env.get("PATH", os.defpath))
             if program is None:
-                raise FileNotFoundError(2, "command not found", argv[0])
+                raise ProgramNotFound(2, "not found on the PATH it gets", argv[0])
             mirror = self.mirror() if self.lane.repo else None
             prefix = self.sandbox().argv(rules, cwd, program=program,
                                          writable=[mirror.path] if mirror else [],
                                          secret=[mirror.origin_url_file] if mirror else [])
-        proc = AgentProcess(argv, cwd=cwd, env=env, log_path=log_path, stdin=stdin, sandbox=prefix)
+        proc = AgentProcess(argv, cwd=cwd, env=env, log_path=log_path, stdin=stdin, sandbox=prefix, label=label)
         if self._fence.term_at is not None and self._fence.kill_at is not None:
             proc.fence(self._fence.term_at, self._fence.kill_at)
         return proc
@@ -718,6 +762,12 @@ class Shift:
             if state is not None:  # else _call said why (refused, or pending)
                 log.info("handed off", state=state)
             return
+        if code == CANNOT_START and not reading.final:
+            # "command not found": the agent never ran, so no attempt is spent; the lane pauses
+            said = cannot_start_line(tail(job.log_path, 2000))
+            self._not_started(task, token, f"{said} (exit {code})" if said else
+                              f"the agent {job.agent.argv[0]!r} exited {code} (command not found)", log)
+            return
         profile = self.cfg.profiles.get(job.dispatch.profile) if job.dispatch.profile else None
         verdict = judge(reading, code, profile, tail(job.log_path, 4000), resumed=job.resumed)
         if verdict.kind == "throttled":
@@ -750,7 +800,7 @@ class Shift:
                 job.agent = self.start_gate(job.ws, self.task_env(task, job.ws, job.dispatch),
                                              _gate_log(job.log_path), job.dispatch)
             except OSError as exc:
-                self._end_gate(job, "automation-broken", f"the gate could not be started: {exc}")
+                self._end_gate(job, "automation-broken", _cannot_start("verify gate", exc))
                 return
             job.gate_until = time.monotonic() + self.lane.verify_timeout
             job.result = reading
@@ -777,6 +827,13 @@ class Shift:
                 state = self._call(tid, lambda: self.store.complete(tid, token, res), "done")
                 if state is not None:  # else _call said why (refused, or pending)
                     log.info("done", state=state)
+
+    def _not_started(self, task: Task, token: UUID, why: str, log: Any) -> None:
+        """The task's agent program could not start on this host: the task goes back unspent and its
+        lane is paused with the reason (fleet.cannot_start), which stops this shift's claims too."""
+        error = f"lanes.{self.lane_name}: {why} on host {self.host}"
+        state = self._call(task.id, lambda: self.store.cannot_start(task.id, token, error), "not_started")
+        log.error("the agent cannot start: task handed back unspent, lane paused", error=error, state=state)
 
     def _own_tokens(self, job: Job, reading: Reading) -> Tokens:
         """The run's own tokens: a CLI that reports its session's running total (Codex across
@@ -966,6 +1023,12 @@ def _no_sandbox(lane: str, rules: AgentRules, why: str) -> tuple[str, str]:
     return (f"lanes.{lane}: its agents ({rules.where}) run in a bwrap sandbox ({asked}), but {why}; "
             "they are not started unsandboxed",
             f"install bubblewrap, e.g. apt-get install bubblewrap, or set sandbox = \"none\" in [{section}]")
+
+
+def _cannot_start(label: str, exc: OSError) -> str:
+    """One line: what could not be started (``label``: the agent, verify gate) and why."""
+    program = exc.filename if exc.filename is not None else "?"
+    return f"{label} {str(program)!r} cannot start: {exc.strerror or exc}"
 
 
 def _values(d: dict[int, Any]) -> list[Any]:

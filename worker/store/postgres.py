@@ -314,6 +314,10 @@ class PostgresStore(NamedReads):
         """The agent session the task was to resume does not exist: queued again without it."""
         return str(self._one("select fleet.drop_session(%s, %s, %s)", (task, token, note), idempotent=False))
 
+    def cannot_start(self, task: int, token: UUID, error: str) -> str:
+        """The task's agent program could not be started: back to the queue unspent, its lane paused."""
+        return str(self._one("select fleet.cannot_start(%s, %s, %s)", (task, token, error), idempotent=False))
+
     def resume(self, task: int) -> str:
         return str(self._one("select fleet.resume(%s)", (task,), idempotent=False))
 
@@ -367,6 +371,16 @@ class PostgresStore(NamedReads):
 
     def sync_lane(self, name: str, settings: dict[str, Any]) -> str:
         return str(self._one("select fleet.sync_lane(%s, %s)", (name, _json(settings))))
+
+    def pause_lane(self, name: str, reason: str) -> str:
+        """Pause a lane whose config a preflight found wrong: 'paused' or 'unchanged'."""
+        return str(self._one("select fleet.pause_lane(%s, %s)", (name, reason)))
+
+    def retire_lane(self, name: str) -> str:
+        return str(self._one("select fleet.retire_lane(%s)", (name,)))
+
+    def unretire_lane(self, name: str) -> str:
+        return str(self._one("select fleet.unretire_lane(%s)", (name,)))
 
     def reconcile(self, idle_seconds: int = 300, overdue_grace_seconds: int = 60) -> list[RepairAction]:
         rows = self._run("select * from fleet.reconcile(%s, %s)", (idle_seconds, overdue_grace_seconds))

@@ -309,6 +309,10 @@ class SupabaseStore(NamedReads):
         return str(self._rpc("drop_session", {"p_task": task, "p_token": str(token), "p_note": note},
                              idempotent=False))
 
+    def cannot_start(self, task: int, token: UUID, error: str) -> str:
+        return str(self._rpc("cannot_start", {"p_task": task, "p_token": str(token), "p_error": error},
+                             idempotent=False))
+
     def resume(self, task: int) -> str:
         return str(self._rpc("resume", {"p_task": task}, idempotent=False))
 
@@ -356,6 +360,15 @@ class SupabaseStore(NamedReads):
 
     def sync_lane(self, name: str, settings: dict[str, Any]) -> str:
         return str(self._rpc("sync_lane", {"p_name": name, "p_settings": settings}))
+
+    def pause_lane(self, name: str, reason: str) -> str:
+        return str(self._rpc("pause_lane", {"p_lane": name, "p_reason": reason}))
+
+    def retire_lane(self, name: str) -> str:
+        return str(self._rpc("retire_lane", {"p_lane": name}))
+
+    def unretire_lane(self, name: str) -> str:
+        return str(self._rpc("unretire_lane", {"p_lane": name}))
 
     def reconcile(self, idle_seconds: int = 300, overdue_grace_seconds: int = 60) -> list[RepairAction]:
         rows = self._rpc("reconcile", {"p_idle_seconds": idle_seconds,

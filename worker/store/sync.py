@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from worker.config import FleetConfig, LaneConfig
@@ -10,8 +11,10 @@ from worker.store.protocol import Store
 
 def lane_settings(lane: LaneConfig, dispatch: list[dict[str, str]] | None = None) -> dict[str, Any]:
     """The fleet.lanes columns of a configured lane (what ``fleet.sync_lane`` takes).
-    ``dispatch``: the lane's pools with their profiles (FleetConfig.dispatch_list)."""
-    return {
+    ``dispatch``: the lane's pools with their profiles (FleetConfig.dispatch_list). ``retired``
+    only when the config says it (left out, a retired lane stays retired)."""
+    retired = {} if lane.retired is None else {"retired": lane.retired}
+    return retired | {
         "max_running": lane.max_running,
         "lease_seconds": lane.lease_seconds,
         "max_attempts": lane.max_attempts,
@@ -45,13 +48,20 @@ def lane_settings(lane: LaneConfig, dispatch: list[dict[str, str]] | None = None
     }
 
 
-def sync_config(store: Store, cfg: FleetConfig) -> dict[str, str]:
+def sync_config(store: Store, cfg: FleetConfig, paused: Mapping[str, str | None] | None = None) -> dict[str, str]:
     """Write the config's pools, profiles and lanes to the database (`fleet lanes sync`), in that
-    order (a profile names its pool, a lane its profile). Name → created | updated | unchanged."""
+    order (a profile names its pool, a lane its profile). Name → created | updated | unchanged |
+    retired (a lane retired in the database, which stays so).
+
+    ``paused``: the preflight's verdict per lane (worker.preflight: the reason to pause it, None to
+    clear a pause it put there before); a lane it leaves out keeps the pause it has."""
     out = {f"pool {n}": store.sync_pool(n, p.slots) for n, p in cfg.pools.items()}
     out |= {f"profile {n}": store.sync_profile(n, p.pool, p.models, p.throttle_floor)
             for n, p in cfg.profiles.items()}
-    out |= {name: store.sync_lane(name, lane_settings(lane, cfg.dispatch_list(name)))
-            for name, lane in cfg.lanes.items()}
+    for name, lane in cfg.lanes.items():
+        settings = lane_settings(lane, cfg.dispatch_list(name))
+        if paused is not None and name in paused:
+            settings["paused_reason"] = paused[name]
+        out[name] = store.sync_lane(name, settings)
     return out
 
