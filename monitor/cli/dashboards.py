@@ -27,9 +27,10 @@ from monitor.dashboards.reads import (
 )
 from monitor.dashboards.report import render_report, write_report
 from monitor.dashboards.terminal import render_stats, render_status
-from worker.cli.context import JsonOpt, console, rt
+from worker.cli.context import JsonOpt, WideOpt, console, rt
 from worker.config import flag_duration
 from worker.errors import FleetError, InvalidInput
+from worker.tables import print_table
 
 LaneOpt = Annotated[str | None, typer.Option("--lane", "-l", help="only this lane")]
 SinceOpt = Annotated[str, typer.Option("--since", help="the window: 24h, 7d, ... (counted from the database's now())")]
@@ -40,6 +41,7 @@ def status(
     lane: LaneOpt = None,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="refresh in place until Ctrl-C")] = False,
     interval: Annotated[str, typer.Option("--interval", help="--watch: seconds between refreshes (2s, 10s, 1m)")] = "2s",
+    wide: WideOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """The fleet at a glance: lanes, stuck tasks, active shifts, recent repairs."""
@@ -58,9 +60,9 @@ def status(
         print(dump(fetch()))
         return
     if not watch:
-        console.print(render_status(fetch()))
+        print_table(console, render_status(fetch(), wide), wide=wide)
         return
-    last: RenderableType = render_status(fetch())
+    last: RenderableType = render_status(fetch(), wide)
     # Ctrl-C ends the watch between refreshes: a KeyboardInterrupt inside a query or the pool could
     # leave the exit waiting on them. A second Ctrl-C interrupts at once. (The handler only flips a
     # flag: taking a lock in a signal handler can deadlock against the code it interrupted.)
@@ -83,7 +85,7 @@ def status(
         with Live(last, console=console, refresh_per_second=4, transient=False) as live:
             while pause():
                 try:
-                    last = render_status(fetch())
+                    last = render_status(fetch(), wide)
                     live.update(last)
                 except FleetError as exc:  # keep watching through an outage
                     live.update(Group(last, Text(f"refresh failed: {exc}", style="red")))
@@ -97,6 +99,7 @@ def stats(
     ctx: typer.Context,
     since: SinceOpt = "7d",
     lane: LaneOpt = None,
+    wide: WideOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Usage and cost per lane and day, and the cohort figures of the tasks queued in the window."""
@@ -112,7 +115,7 @@ def stats(
     if as_json:
         print(dump(data))
         return
-    console.print(render_stats(data))
+    print_table(console, render_stats(data, wide), wide=wide)
 
 
 def snapshot(

@@ -16,8 +16,8 @@ import typer
 from rich.table import Table
 
 from monitor.dashboards.reads import jsonable
-from monitor.dashboards.terminal import human_bytes
 from worker.cli.context import JsonOpt, console, rt
+from worker.tables import human_bytes
 
 
 def _when(value: Any) -> str:

@@ -16,8 +16,8 @@ from monitor.dashboards.charts import (
     utc_iso,
 )
 from monitor.dashboards.reads import ReportData
-from monitor.dashboards.terminal import fmt_cost, fmt_num, fmt_secs
 from worker.errors import InvalidInput
+from worker.tables import fmt_cost, fmt_num, fmt_secs
 
 CSS = """
 :root { color-scheme: light; }

@@ -25,6 +25,8 @@ ConfigOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
 JsonTablesOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
+# a table shows the columns that fit the terminal; --wide every one, lines as long as they get
+WideOpt = Annotated[bool, typer.Option("--wide", help="every column, however wide (default: those that fit)")]
 TaskRef = Annotated[str, typer.Argument(help="task id or key")]
 # keys are per lane: the lane of a key that names tasks in several lanes
 KeyLaneOpt = Annotated[str | None, typer.Option("--lane", "-l", help="the lane of the key (keys are per lane)")]
