@@ -15,7 +15,6 @@ from rich.text import Text
 
 from monitor.dashboards.reads import (
     VIEW_DAYS,
-    check_lane,
     dump,
     reading,
     report_data,
@@ -49,7 +48,7 @@ def status(
     if watch and as_json:
         raise InvalidInput("--watch and --json exclude each other (use `fleet snapshot` in a loop)")
     store = require_postgres(rt(ctx).store())
-    check_lane(store, lane)
+    store.check_lane(lane)
 
     def fetch() -> dict[str, Any]:
         roll_up(store)
@@ -108,7 +107,7 @@ def stats(
         raise InvalidInput(f"--since {since}: at most {VIEW_DAYS}d (usage_by_lane_day keeps the last "
                            f"{VIEW_DAYS} days; for older cohorts call fleet.cohort_metrics() in SQL)")
     store = require_postgres(rt(ctx).store())
-    check_lane(store, lane)
+    store.check_lane(lane)
     roll_up(store)
     with reading(store) as r:
         data = stats_data(r, seconds, lane)
@@ -144,7 +143,7 @@ def report(
     """A self-contained HTML report with charts (no network needed to view it)."""
     seconds = flag_duration(since, "--since")
     store = require_postgres(rt(ctx).store())
-    check_lane(store, lane)
+    store.check_lane(lane)
     roll_up(store)
     with reading(store) as r:
         data = report_data(r, seconds, lane)

@@ -22,7 +22,7 @@ from uuid import UUID
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from worker.errors import DatabaseUnavailable, InvalidInput, UnknownLane
+from worker.errors import DatabaseUnavailable, InvalidInput
 from worker.store.postgres import PostgresStore, translate
 from worker.store.protocol import Store
 from worker.store.reads import load_queries
@@ -116,14 +116,6 @@ def dump(data: Any, *, pretty: bool = True) -> str:
     if pretty:
         return json.dumps(jsonable(data), indent=2)
     return json.dumps(jsonable(data), separators=(",", ":"))
-
-
-def check_lane(store: PostgresStore, lane: str | None) -> None:
-    if lane is None:
-        return
-    names = store.lane_names()
-    if lane not in names:
-        raise UnknownLane(f"unknown lane {lane!r}", "known lanes: " + (", ".join(names) or "none"))
 
 
 # -- the data of each command
