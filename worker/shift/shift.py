@@ -705,7 +705,7 @@ class Shift:
                 log.info("handed off", state=state)
             return
         profile = self.cfg.profiles.get(job.dispatch.profile) if job.dispatch.profile else None
-        verdict = judge(reading, code, profile, tail(job.log_path, 4000), resumed=job.resumed)
+        verdict = judge(reading, code, profile, tail(job.log_path, 4000, whole_lines=True), resumed=job.resumed)
         if verdict.kind == "throttled":
             # never a success, never a spent attempt: the pool pauses, the task waits for the reset
             limit = verdict.limit
