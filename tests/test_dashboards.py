@@ -454,6 +454,7 @@ class Charts(HTMLParser):
 
 def test_report_renders_in_a_browser_with_the_data(db_url: str, home: Path, world: dict[str, Any],
                                                    chromium: str, tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
     out = tmp_path / "out" / "report.html"
     printed = ok(run_fleet("report", "--out", str(out), "--since", "7d", url=db_url, home=home))
     assert f"wrote {out}" in " ".join(printed.split())
@@ -540,6 +541,11 @@ def test_report_of_one_lane_and_of_an_empty_fleet(db_url: str, home: Path, chrom
     assert {m["data-series"]: int(m["data-v"]) for m in page.marks["throughput"]} == {"review": 1}
     refused(run_fleet("report", "--out", str(tmp_path / "x.html"), "--lane", "nope", url=db_url, home=home),
             "unknown lane")
+    # a folder that is not there is a mistake in the path: refused, and nothing made
+    missing = tmp_path / "no" / "such" / "dir" / "r.html"
+    refused(run_fleet("report", "--out", str(missing), url=db_url, home=home), f"there is no directory {missing.parent}")
+    assert not (tmp_path / "no").exists()
+    refused(run_fleet("report", "--out", str(tmp_path), url=db_url, home=home), "that is a directory")
 
 
 def test_dashboards_read_one_moment(db_url: str) -> None:

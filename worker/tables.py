@@ -35,6 +35,7 @@ class Col:
     min_width: int = 12
 
 
+_TEXT_FLOOR = 8  # the narrowest a text column wraps to when nothing else gives
 _BORDER = 3  # each column's padding (one space each side) and its border; the table's own edge: 1
 
 
@@ -75,19 +76,20 @@ class FitTable:
             cells = max((_width(c) for c in self._cells(i)), default=0)
             word = max((len(w) for w in col.header.split()), default=0)
             full = max(cells, len(col.header))
-            if col.kind == "text":
-                out.append((min(full, max(col.min_width, word)), full, full))
+            if col.kind == "text":  # it wraps between words: a word (a name, a path) is cut only if it must be
+                words = max((len(w) for c in self._cells(i) for w in c.plain.split()), default=0)
+                out.append((min(full, max(col.min_width, word, words)), full, full))
             else:
                 out.append((max(cells, word), full, full))
         return out
 
-    def layout(self, width: int) -> tuple[list[int], list[int]]:
-        """The columns shown at ``width`` and the fixed width of each (a text column's: 0, rich
-        wraps it in what is left)."""
+    def layout(self, width: int) -> tuple[list[int], list[int], bool]:
+        """The columns shown at ``width``, the width of each (a text column's: the narrowest it
+        wraps to, rich gives it what is left), and whether even those are too wide (squeezed)."""
         needs = self._needs()
         shown = list(range(len(self.cols)))
         if self.wide:
-            return shown, [0 if self.cols[i].kind == "text" else needs[i][2] for i in shown]
+            return shown, [needs[i][2] for i in shown], False
 
         def narrowest(cols: list[int]) -> int:
             return sum(needs[i][0] for i in cols) + _BORDER * len(cols) + 1
@@ -97,27 +99,22 @@ class FitTable:
             if not droppable:
                 break
             shown.remove(max(droppable, key=lambda i: (self.cols[i].drop, i)))
-        fixed = [needs[i][0] if self.cols[i].kind != "text" else 0 for i in shown]
-        # what is left widens headers first (unwrapped), then rich gives it to the text columns
+        if narrowest(shown) > width:  # text wraps narrower than it likes before a key has to
+            needs = [(min(n[0], _TEXT_FLOOR), n[1], n[2]) if c.kind == "text" else n
+                     for c, n in zip(self.cols, needs, strict=True)]
+        widths = [needs[i][0] for i in shown]
         slack = width - narrowest(shown)
-        # (the headers that need least first: as many unwrapped as the width allows)
-        for n in sorted(range(len(shown)), key=lambda n: needs[shown[n]][1] - fixed[n]):
-            if self.cols[shown[n]].kind != "text" and 0 < needs[shown[n]][1] - fixed[n] <= slack:
-                slack -= needs[shown[n]][1] - fixed[n]
-                fixed[n] = needs[shown[n]][1]
-        return shown, fixed
-
-    def hidden(self, width: int) -> list[str]:
-        """The headers of the columns left out at ``width``."""
-        shown, _ = self.layout(width)
-        return [c.header for i, c in enumerate(self.cols) if i not in shown]
+        # what is left unwraps headers, those that need least first; rich gives the rest to text
+        for n in sorted(range(len(shown)), key=lambda n: needs[shown[n]][1] - widths[n]):
+            grow = needs[shown[n]][1] - widths[n]
+            if self.cols[shown[n]].kind != "text" and 0 < grow <= slack:
+                slack -= grow
+                widths[n] += grow
+        return shown, widths, slack < 0
 
     def table(self, width: int) -> Table:
         """The rich table as drawn at ``width``."""
-        shown, fixed = self.layout(width)
-        needs = self._needs()
-        squeezed = sum(fixed) + sum(needs[i][0] for i in shown if self.cols[i].kind == "text") \
-            + _BORDER * len(shown) + 1 > width and not self.wide
+        shown, widths, squeezed = self.layout(width)
         caption = self.caption
         left_out = len(self.cols) - len(shown)
         if left_out and self.hint:
@@ -125,16 +122,15 @@ class FitTable:
             caption = f"{caption}; {more}" if caption else more
         table = Table(title=self.title, title_justify="left", title_style=self.title_style, box=self.box,
                       caption=caption, caption_justify="left", caption_style="dim")
-        for i, w in zip(shown, fixed, strict=True):
+        for i, w in zip(shown, widths, strict=True):
             col = self.cols[i]
-            if col.kind == "text" or squeezed:
-                # too narrow even for the columns that are never left out: rich shares the width
-                # out, and whatever must give wraps (never an ellipsis)
-                table.add_column(col.header, overflow="fold", min_width=min(needs[i][0], col.min_width),
-                                 justify="right" if col.kind == "num" else "left")
+            justify: Literal["left", "right"] = "right" if col.kind == "num" else "left"
+            if col.kind == "text" or (squeezed and col.kind == "key"):
+                # squeezed: too narrow even for the columns that are never left out; numbers keep
+                # their width, and rich wraps the widest of the rest first (never an ellipsis)
+                table.add_column(col.header, overflow="fold", min_width=None if squeezed else w, justify=justify)
             else:
-                table.add_column(col.header, width=w, overflow="fold",
-                                 justify="right" if col.kind == "num" else "left")
+                table.add_column(col.header, width=w, overflow="fold", justify=justify)
         for row in self.rows:
             if row is None:
                 table.add_section()

@@ -24,7 +24,7 @@ from monitor.dashboards.reads import (
     stats_data,
     status_data,
 )
-from monitor.dashboards.report import render_report, write_report
+from monitor.dashboards.report import check_out, render_report, write_report
 from monitor.dashboards.terminal import render_stats, render_status
 from worker.cli.context import JsonOpt, WideOpt, console, rt
 from worker.config import flag_duration
@@ -142,6 +142,7 @@ def report(
 ) -> None:
     """A self-contained HTML report with charts (no network needed to view it)."""
     seconds = flag_duration(since, "--since")
+    check_out(out)  # before anything is read or rolled up
     store = require_postgres(rt(ctx).store())
     store.check_lane(lane)
     roll_up(store)

@@ -40,7 +40,7 @@ def render_status(data: dict[str, Any], wide: bool = False) -> RenderableType:
     parts: list[RenderableType] = [lanes]
 
     if data["stuck"]:
-        stuck = FitTable([Col("task", "num"), Col("lane", "key"), Col("key", "key"), Col("why", min_width=14),
+        stuck = FitTable([Col("task", "num"), Col("lane", "key", 2), Col("key", "key"), Col("why", min_width=14),
                           Col("running", "num", 2), Col("lane p95", "num", 3), Col("lease left", "num", 1),
                           Col("shift", "key", 2)],
                          title="stuck tasks", title_style="bold red", wide=wide)
@@ -54,7 +54,7 @@ def render_status(data: dict[str, Any], wide: bool = False) -> RenderableType:
         parts.append(Text("stuck tasks: none", style="green"))
 
     if data.get("blocked"):
-        blocked = FitTable([Col("task", "num"), Col("lane", "key"), Col("key", "key"), Col("why", "key"),
+        blocked = FitTable([Col("task", "num"), Col("lane", "key", 2), Col("key", "key"), Col("why", "key"),
                             Col("tier", "key", 3), Col("profile", "key", 3), Col("blocked", "key", 2),
                             Col("evidence", drop=1)],
                            title="blocked tasks: `fleet resume TASK` re-runs the gate, `fleet retry TASK` the agent",
@@ -67,7 +67,7 @@ def render_status(data: dict[str, Any], wide: bool = False) -> RenderableType:
         parts.append(blocked)
 
     if data.get("attention"):
-        waiting = FitTable([Col("task", "num"), Col("lane", "key"), Col("key", "key"), Col("waits for"),
+        waiting = FitTable([Col("task", "num"), Col("lane", "key", 2), Col("key", "key"), Col("waits for"),
                             Col("since", "key", 1), Col("host:pid", "key", 2)],
                            title="needs attention (an agent waits on a question or a permission prompt)",
                            title_style="bold yellow", wide=wide)
@@ -90,7 +90,7 @@ def render_status(data: dict[str, Any], wide: bool = False) -> RenderableType:
         parts.append(pools)
 
     if data["sessions"]:
-        sessions = FitTable([Col("session", "key"), Col("lane", "key"), Col("host:pid", "key"),
+        sessions = FitTable([Col("session", "key"), Col("lane", "key"), Col("host:pid", "key", 1),
                              Col("age", "num", 3), Col("deadline in", "num", 2), Col("heartbeat", "num", 1),
                              Col("holds", "num"), Col("runs", "num", 4), Col("done", "num", 3),
                              Col("failed", "num", 3), Col("hand-offs", "num", 4), Col("tokens", "num", 2),

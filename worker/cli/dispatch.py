@@ -37,7 +37,7 @@ def profiles(ctx: typer.Context, wide: WideOpt = False, as_json: JsonTablesOpt =
         if not p["tiers"]:
             table.add_row("-", escape(p["default_model"] or ""), escape(" ".join(render_argv(p["command"], SAMPLE_VALUES))))
         print_table(console, table, wide=wide)
-    table = FitTable([Col("lane", "key"), Col("pool", "key"), Col("profile", "key"), Col("agent", "key", 2),
+    table = FitTable([Col("lane", "key"), Col("pool", "key", 2), Col("profile", "key"), Col("agent", "key", 2),
                       Col("tier", "key", 1), Col("model", "key", 3), Col("argv", min_width=20)],
                      title="lanes: what a spawn runs (pools in preference order)", wide=wide)
     for lane, rows in data["lanes"].items():
