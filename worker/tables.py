@@ -69,8 +69,8 @@ class FitTable:
     def _cells(self, i: int) -> Iterable[Text]:
         return (row[i] for row in self.rows if row is not None)
 
-    def _needs(self) -> list[tuple[int, int, int]]:
-        """Per column: (narrowest, widest without wrapping its header, natural width)."""
+    def _needs(self) -> list[tuple[int, int]]:
+        """Per column: (the narrowest it may be, its width with nothing wrapped)."""
         out = []
         for i, col in enumerate(self.cols):
             cells = max((_width(c) for c in self._cells(i)), default=0)
@@ -78,9 +78,9 @@ class FitTable:
             full = max(cells, len(col.header))
             if col.kind == "text":  # it wraps between words: a word (a name, a path) is cut only if it must be
                 words = max((len(w) for c in self._cells(i) for w in c.plain.split()), default=0)
-                out.append((min(full, max(col.min_width, word, words)), full, full))
-            else:
-                out.append((max(cells, word), full, full))
+                out.append((min(full, max(col.min_width, word, words)), full))
+            else:  # its header may wrap between words, never its cells
+                out.append((max(cells, word), full))
         return out
 
     def layout(self, width: int) -> tuple[list[int], list[int], bool]:
@@ -89,7 +89,7 @@ class FitTable:
         needs = self._needs()
         shown = list(range(len(self.cols)))
         if self.wide:
-            return shown, [needs[i][2] for i in shown], False
+            return shown, [needs[i][1] for i in shown], False
 
         def narrowest(cols: list[int]) -> int:
             return sum(needs[i][0] for i in cols) + _BORDER * len(cols) + 1
@@ -100,7 +100,7 @@ class FitTable:
                 break
             shown.remove(max(droppable, key=lambda i: (self.cols[i].drop, i)))
         if narrowest(shown) > width:  # text wraps narrower than it likes before a key has to
-            needs = [(min(n[0], _TEXT_FLOOR), n[1], n[2]) if c.kind == "text" else n
+            needs = [(min(n[0], _TEXT_FLOOR), n[1]) if c.kind == "text" else n
                      for c, n in zip(self.cols, needs, strict=True)]
         widths = [needs[i][0] for i in shown]
         slack = width - narrowest(shown)
@@ -151,7 +151,7 @@ class FitTable:
     def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
         needs = self._needs()
         return Measurement(sum(n[0] for n in needs) + _BORDER * len(needs) + 1,
-                           sum(n[2] for n in needs) + _BORDER * len(needs) + 1)
+                           sum(n[1] for n in needs) + _BORDER * len(needs) + 1)
 
 
 def print_table(console: Console, renderable: RenderableType, *, wide: bool = False) -> None:
