@@ -175,6 +175,54 @@ def test_claude_json_array_is_read_and_a_login_failure_is_an_ordinary_failure(ag
 
 
 # ------------------------------------------------------------------------------------------------
+# last_error: the agent's own message; the raw output stays in the run's error_tail
+
+
+@pytest.mark.parametrize(("agent", "sample", "said"), [
+    # codex (hive-mind #715): five "Reconnecting... N/5" error events, then error + turn.failed
+    ("codex", "codex/exec-json-reconnecting-401-turn-failed.jsonl",
+     "exceeded retry limit, last status: 401 Unauthorized, request id: 99cdbe04acfb0b34-AMS"),
+    # Claude Code (claude-sonnet-5 launcher.log): result error_max_turns with errors[]
+    ("claude", "claude/stream-json-error-max-turns-result-sonnet-5.jsonl", "Reached maximum number of turns (40)"),
+    # opencode: an UnknownError event whose message quotes a JSON body
+    ("opencode", "opencode/run-json-error-direct-access-token-401.jsonl",
+     'Failed to get direct access token: 401 Unauthorized - {"message":"401 Unauthorized"}'),
+])
+def test_last_error_is_the_agents_own_error_message(agent_fleet, agent: str, sample: str, said: str) -> None:
+    fleet = agent_fleet(agent, replay((sample, 1)))
+    task, run = one_run(fleet, "failing")
+    assert (task["state"], run["outcome"], run["exit_code"]) == ("queued", "failed", 1)
+    assert task["last_error"] == f"exit code 1: {said}"
+    # what it printed stays with the run: the end of the log (2000 bytes), records and all
+    tail = (CORPUS / sample).read_bytes()[-2000:].decode("utf-8", "replace")
+    assert run["error_tail"] == tail and '{"type"' in run["error_tail"]
+
+
+def test_a_long_stream_cut_mid_record_is_not_taken_for_the_error(agent_fleet) -> None:
+    # codex's full real turn (hive-mind #642, 23 KB), replayed with exit 1: the log's last 4000
+    # bytes begin inside a record (what the old last_error showed: `exit code 1: xt":"Explore
+    # repo…`), and no record names an error, so the agent's last message is what it said
+    sample = "codex/exec-json-full-session-todo-file-change.jsonl"
+    fleet = agent_fleet("codex", replay((sample, 1)))
+    task, run = one_run(fleet, "long")
+    records = [json.loads(line) for line in (CORPUS / sample).read_text().splitlines()]
+    said = [r["item"]["text"] for r in records
+            if r["type"] == "item.completed" and r["item"]["type"] == "agent_message"][-1]
+    assert task["last_error"] == f"exit code 1: {said}"[:2000]
+    assert run["error_tail"] == (CORPUS / sample).read_bytes()[-2000:].decode("utf-8", "replace")
+
+
+def test_without_records_the_last_lines_of_stderr_are_the_error(agent_fleet) -> None:
+    # a real process's stderr (Python's traceback of a missing module), no JSON records at all
+    fleet = agent_fleet("generic", [sys.executable, "-c", "import lanefleet_no_such_module"])
+    task, run = one_run(fleet, "stderr")
+    assert task["last_error"] == ("exit code 1: Traceback (most recent call last):\n"
+                                  "File \"<string>\", line 1, in <module>\n"
+                                  "ModuleNotFoundError: No module named 'lanefleet_no_such_module'")
+    assert run["error_tail"].startswith("Traceback (most recent call last):")
+
+
+# ------------------------------------------------------------------------------------------------
 # usage limits: the signal, the text and the reset in the journal
 
 

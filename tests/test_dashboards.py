@@ -297,7 +297,8 @@ def test_status_watch_refreshes_in_place_until_ctrl_c(db_url: str, home: Path) -
 
 def test_stats_json(db_url: str, home: Path, world: dict[str, Any]) -> None:
     data = json.loads(ok(run_fleet("stats", "--json", url=db_url, home=home)))
-    assert set(data) == {"as_of", "since", "usage", "usage_totals", "cohort", "cohort_by_lane", "cohort_split"}
+    assert set(data) == {"as_of", "since", "usage", "usage_totals", "usage_total", "cohort", "cohort_by_lane",
+                         "cohort_split"}
     assert data["cohort_split"] == []  # no batch in the window: no split table
     totals = {row["lane"]: row for row in data["usage_totals"]}
     docs_tokens = {k: sum(TOKENS[t][k] for t in ("d1", "d2", "d3", "d7")) for k in KINDS}
@@ -309,6 +310,11 @@ def test_stats_json(db_url: str, home: Path, world: dict[str, Any]) -> None:
     assert totals["docs"]["cache_read_share"] == pytest.approx(round(docs_tokens["cache_read_tokens"] / prompt, 4))
     assert {k: totals["review"][k] for k in ["runs", "completed", *KINDS]} == {
         "runs": 1, "completed": 1, **{k: TOKENS["review"][k] for k in KINDS}}
+    # the fleet's total is every lane's: the runs and tokens of docs and review together
+    total = data["usage_total"]
+    assert (total["lane"], total["runs"], total["completed"]) == (None, 10, 4)
+    assert {k: total[k] for k in KINDS} == {k: docs_tokens[k] + TOKENS["review"][k] for k in KINDS}
+    assert total["cost_usd"] == pytest.approx(0.85)
     # the per-day rows add up to the totals (a UTC midnight may fall inside the test)
     for lane in ("docs", "review"):
         assert sum(r["runs"] for r in data["usage"] if r["lane"] == lane) == totals[lane]["runs"]
@@ -366,7 +372,7 @@ def test_snapshot_is_one_json_line_of_everything(db_url: str, home: Path, world:
     data = json.loads(out)
     assert data["snapshot"] == "lanefleet" and data["version"] == 1
     assert set(data) == {"snapshot", "version", "taken_at", "since", "lanes", "stuck", "sessions", "repairs",
-                         "dead_letters", "throughput", "usage", "usage_totals", "cohort", "cohort_by_lane",
+                         "dead_letters", "throughput", "usage", "usage_totals", "usage_total", "cohort", "cohort_by_lane",
                          "cohort_split"}
     status = json.loads(ok(run_fleet("status", "--json", url=db_url, home=home)))
     strip = ("oldest_ready_seconds",)
@@ -453,6 +459,7 @@ class Charts(HTMLParser):
 
 def test_report_renders_in_a_browser_with_the_data(db_url: str, home: Path, world: dict[str, Any],
                                                    chromium: str, tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
     out = tmp_path / "out" / "report.html"
     printed = ok(run_fleet("report", "--out", str(out), "--since", "7d", url=db_url, home=home))
     assert f"wrote {out}" in " ".join(printed.split())
@@ -539,6 +546,11 @@ def test_report_of_one_lane_and_of_an_empty_fleet(db_url: str, home: Path, chrom
     assert {m["data-series"]: int(m["data-v"]) for m in page.marks["throughput"]} == {"review": 1}
     refused(run_fleet("report", "--out", str(tmp_path / "x.html"), "--lane", "nope", url=db_url, home=home),
             "unknown lane")
+    # a folder that is not there is a mistake in the path: refused, and nothing made
+    missing = tmp_path / "no" / "such" / "dir" / "r.html"
+    refused(run_fleet("report", "--out", str(missing), url=db_url, home=home), f"there is no directory {missing.parent}")
+    assert not (tmp_path / "no").exists()
+    refused(run_fleet("report", "--out", str(tmp_path), url=db_url, home=home), "that is a directory")
 
 
 def test_dashboards_read_one_moment(db_url: str) -> None:

@@ -666,14 +666,29 @@ create or replace trigger read_only instead of insert or update or delete on fle
     for each row execute function fleet._read_only_view();
 
 -- Per lane: tasks in every state, retries, hand-offs, tokens and cost (what `fleet up` prints).
+-- p_key_prefix: only the tasks whose key starts with it and their runs, and only the lanes that have
+-- any (`fleet up --demo`: its own run's summary, not the fleet's history).
 -- Invoker: a caller sees the lanes RLS lets it read.
-create or replace function fleet.lane_summary()
+create or replace function fleet.lane_summary(p_key_prefix text default null)
 returns table (lane text, queued bigint, running bigint, blocked bigint, review bigint, batched bigint,
                done bigint, dead bigint, cancelled bigint, retries bigint, handoffs bigint,
                tokens numeric, cost_usd numeric)
 language sql
 stable
 as $$
+    -- the tasks counted: every one, or those of the prefix
+    with picked as (
+        select t.* from fleet.tasks t
+         where p_key_prefix is null or starts_with(t.key, p_key_prefix)
+    ),
+    -- what their runs spent, per lane of the run (a routed task's runs stay with their lanes)
+    spent as (
+        select r.lane, sum(r.input_tokens + r.cache_creation_tokens + r.cache_read_tokens + r.output_tokens) as tokens,
+               sum(r.cost_usd) as cost_usd
+          from fleet.runs r
+         where p_key_prefix is null or r.task_id in (select id from picked)
+         group by r.lane
+    )
     select l.name,
            count(t.id) filter (where t.state = 'queued'),
            count(t.id) filter (where t.state = 'running'),
@@ -685,16 +700,17 @@ as $$
            count(t.id) filter (where t.state = 'cancelled'),
            coalesce(sum(t.failures + t.evaporations), 0),
            coalesce(sum(t.handoffs), 0),
-           coalesce((select sum(r.input_tokens + r.cache_creation_tokens + r.cache_read_tokens + r.output_tokens)
-                       from fleet.runs r where r.lane = l.name), 0),
-           coalesce((select sum(r.cost_usd) from fleet.runs r where r.lane = l.name), 0)
+           coalesce(max(s.tokens), 0),
+           coalesce(max(s.cost_usd), 0)
       from fleet.lanes l
-      left join fleet.tasks t on t.lane = l.name
+      left join picked t on t.lane = l.name
+      left join spent s on s.lane = l.name
+     where p_key_prefix is null or t.id is not null or s.lane is not null
      group by l.name
      order by l.name;
 $$;
-revoke all on function fleet.lane_summary() from public;
-grant execute on function fleet.lane_summary() to fleet_operator, service_role;
+revoke all on function fleet.lane_summary(text) from public;
+grant execute on function fleet.lane_summary(text) to fleet_operator, service_role;
 
 -- Ready tasks per lane whose claims may take them (the named query ready_by_lane), for `fleet up`
 -- over REST. Invoker: RLS.

@@ -15,7 +15,6 @@ from rich.text import Text
 
 from monitor.dashboards.reads import (
     VIEW_DAYS,
-    check_lane,
     dump,
     reading,
     report_data,
@@ -25,11 +24,12 @@ from monitor.dashboards.reads import (
     stats_data,
     status_data,
 )
-from monitor.dashboards.report import render_report, write_report
+from monitor.dashboards.report import check_out, render_report, write_report
 from monitor.dashboards.terminal import render_stats, render_status
-from worker.cli.context import JsonOpt, console, rt
+from worker.cli.context import JsonOpt, WideOpt, console, rt
 from worker.config import flag_duration
 from worker.errors import FleetError, InvalidInput
+from worker.tables import print_table
 
 LaneOpt = Annotated[str | None, typer.Option("--lane", "-l", help="only this lane")]
 SinceOpt = Annotated[str, typer.Option("--since", help="the window: 24h, 7d, ... (counted from the database's now())")]
@@ -40,6 +40,7 @@ def status(
     lane: LaneOpt = None,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="refresh in place until Ctrl-C")] = False,
     interval: Annotated[str, typer.Option("--interval", help="--watch: seconds between refreshes (2s, 10s, 1m)")] = "2s",
+    wide: WideOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """The fleet at a glance: lanes, stuck tasks, active shifts, recent repairs."""
@@ -47,7 +48,7 @@ def status(
     if watch and as_json:
         raise InvalidInput("--watch and --json exclude each other (use `fleet snapshot` in a loop)")
     store = require_postgres(rt(ctx).store())
-    check_lane(store, lane)
+    store.check_lane(lane)
 
     def fetch() -> dict[str, Any]:
         roll_up(store)
@@ -58,9 +59,9 @@ def status(
         print(dump(fetch()))
         return
     if not watch:
-        console.print(render_status(fetch()))
+        print_table(console, render_status(fetch(), wide), wide=wide)
         return
-    last: RenderableType = render_status(fetch())
+    last: RenderableType = render_status(fetch(), wide)
     # Ctrl-C ends the watch between refreshes: a KeyboardInterrupt inside a query or the pool could
     # leave the exit waiting on them. A second Ctrl-C interrupts at once. (The handler only flips a
     # flag: taking a lock in a signal handler can deadlock against the code it interrupted.)
@@ -83,7 +84,7 @@ def status(
         with Live(last, console=console, refresh_per_second=4, transient=False) as live:
             while pause():
                 try:
-                    last = render_status(fetch())
+                    last = render_status(fetch(), wide)
                     live.update(last)
                 except FleetError as exc:  # keep watching through an outage
                     live.update(Group(last, Text(f"refresh failed: {exc}", style="red")))
@@ -97,6 +98,7 @@ def stats(
     ctx: typer.Context,
     since: SinceOpt = "7d",
     lane: LaneOpt = None,
+    wide: WideOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Usage and cost per lane and day, and the cohort figures of the tasks queued in the window."""
@@ -105,14 +107,14 @@ def stats(
         raise InvalidInput(f"--since {since}: at most {VIEW_DAYS}d (usage_by_lane_day keeps the last "
                            f"{VIEW_DAYS} days; for older cohorts call fleet.cohort_metrics() in SQL)")
     store = require_postgres(rt(ctx).store())
-    check_lane(store, lane)
+    store.check_lane(lane)
     roll_up(store)
     with reading(store) as r:
         data = stats_data(r, seconds, lane)
     if as_json:
         print(dump(data))
         return
-    console.print(render_stats(data))
+    print_table(console, render_stats(data, wide), wide=wide)
 
 
 def snapshot(
@@ -140,8 +142,9 @@ def report(
 ) -> None:
     """A self-contained HTML report with charts (no network needed to view it)."""
     seconds = flag_duration(since, "--since")
+    check_out(out)  # before anything is read or rolled up
     store = require_postgres(rt(ctx).store())
-    check_lane(store, lane)
+    store.check_lane(lane)
     roll_up(store)
     with reading(store) as r:
         data = report_data(r, seconds, lane)

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -17,24 +18,32 @@ import typer
 from rich import box
 from rich.live import Live
 from rich.markup import escape
-from rich.table import Table
 
-from monitor.dev.demo import demo_finished, demo_states, queue_demo
+from monitor.dev.demo import (
+    check_demo_lanes,
+    demo_ending,
+    demo_finished,
+    demo_states,
+    demo_summary,
+    queue_demo,
+)
 from monitor.host import ShiftLauncher, crontab_lines, shift_env
 from monitor.outage import Outage
 from monitor.reconcile import monitor_pass
 from worker.cli.context import JsonOpt, console, err_console, rt
 from worker.config import env_settings, flag_duration
 from worker.errors import DatabaseUnavailable, FleetError, InvalidInput, LaneRetired
-from worker.models import TASK_STATES, WAITING_STATES, RepairAction
+from worker.models import TASK_STATES, RepairAction
 from worker.runtime import Runtime
+from worker.tables import Col, FitTable, fmt_cost, fmt_num
 
 
-def actions_table(actions: list[RepairAction]) -> Table:
-    table = Table("action", "lane", "task", "session", "detail", title="monitor pass")
+def actions_table(actions: list[RepairAction]) -> FitTable:
+    table = FitTable([Col("action", "key"), Col("lane", "key"), Col("task", "num"), Col("session", "key", 1),
+                      Col("detail", min_width=16)], title="monitor pass", hint=None)
     for a in actions:
-        table.add_row(a.action, a.lane or "", "" if a.task_id is None else str(a.task_id),
-                      str(a.session_id or "")[:8], json.dumps(a.detail, default=str)[:90])
+        table.add_row(escape(a.action), escape(a.lane or ""), "" if a.task_id is None else str(a.task_id),
+                      str(a.session_id or "")[:8], escape(json.dumps(a.detail, default=str)[:300]))
     return table
 
 
@@ -172,15 +181,16 @@ def _invocation() -> str:
     return "uv run fleet" if os.environ.get("UV_RUN_RECURSION_DEPTH") else "fleet"
 
 
-def summary_table(rows: list[dict[str, Any]], title: str) -> Table:
-    """fleet.lane_summary() as a table narrow enough for 80 columns: the tasks of each lane by
-    state (every state that has any, in the order a task goes through them)."""
-    table = Table("lane", "tasks", "retries", "hand-offs", "tokens", "cost $", title=title,
-                  box=box.SIMPLE_HEAD, pad_edge=False)
+def summary_table(rows: list[dict[str, Any]], title: str) -> FitTable:
+    """fleet.lane_summary() as a table: the tasks of each lane by state (every state that has any,
+    in the order a task goes through them), what they cost."""
+    table = FitTable([Col("lane", "key"), Col("tasks", min_width=14), Col("retries", "num", 2),
+                      Col("hand-offs", "num", 1), Col("tokens", "num"), Col("cost", "num")],
+                     title=title, table_box=box.SIMPLE_HEAD, hint=None)
     for row in rows:
         states = ", ".join(f"{row[s]} {s}" for s in TASK_STATES if row[s]) or "none"
-        table.add_row(row["lane"], states, str(row["retries"]), str(row["handoffs"]), f"{row['tokens']:,}",
-                      f"{row['cost_usd']:.4f}")
+        table.add_row(escape(row["lane"]), states, str(row["retries"]), str(row["handoffs"]), fmt_num(row["tokens"]),
+                      fmt_cost(row["cost_usd"]))
     return table
 
 
@@ -201,6 +211,16 @@ def hold_up_lock(ctx: typer.Context, r: Runtime) -> None:
     os.environ["PGAPPNAME"] = "lanefleet up"
 
 
+def _held_by(launcher: ShiftLauncher, store: Any) -> list[int]:
+    """The tasks the shifts this host launched hold now (what a stop hands off)."""
+    pids = {p.pid for procs in launcher.running.values() for p in procs if p.poll() is None}
+    if not pids:
+        return []
+    sessions = {r["id"] for r in store.query("active_sessions_on_host", host=socket.gethostname())
+                if r["pid"] in pids}
+    return [t.id for t in store.list_tasks(state="running", limit=10000) if t.session_id in sessions]
+
+
 def up(
     ctx: typer.Context,
     demo: Annotated[bool, typer.Option("--demo", help="queue example tasks, run until all are done or dead, print a summary")] = False,
@@ -218,6 +238,8 @@ def up(
         # a restart of the database is said once (monitor.outage), not by each failed pool connect
         logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
     r: Runtime = rt(ctx)
+    if demo:  # before anything starts: a config without the demo's lanes would run nothing
+        check_demo_lanes(r.cfg.lanes, r.cfg.source)
     url = r.url  # starts or reuses the embedded server when no database is configured
     result = r.migrate()  # (a database that cannot be reached: one line, and nothing written here)
     hold_up_lock(ctx, r)  # before anything is synced or started: a second `fleet up` here starts nothing
@@ -245,8 +267,15 @@ def up(
     next_monitor = 0.0
     finished = False
     rows: list[dict[str, Any]] = []
-    # the shifts stop with `fleet up`, however it ends
-    with contextlib.ExitStack() as stopping, Live(console=console, refresh_per_second=4, transient=False) as live:
+    held: list[int] = []
+
+    def summary() -> list[dict[str, Any]]:
+        # the demo's own tasks and runs: not the totals of earlier runs in the same database
+        return demo_summary(store, prefix) if prefix is not None else store.query("lane_summary")
+
+    # the shifts stop with `fleet up`, however it ends; transient: the live frame goes when it
+    # ends, and the summary below is printed once
+    with contextlib.ExitStack() as stopping, Live(console=console, refresh_per_second=4, transient=True) as live:
         stopping.callback(launcher.stop_all)
         outage = Outage(r.database, lambda line: live.console.print(line, highlight=False, soft_wrap=True))
         while not stop.is_set():
@@ -258,8 +287,10 @@ def up(
                 if time.monotonic() >= next_monitor:
                     monitor_pass(store, r.cfg)
                     next_monitor = time.monotonic() + monitor_every
-                rows = store.query("lane_summary")
+                rows = summary()
                 live.update(summary_table(rows, f"lanefleet — {time.monotonic() - started:.0f}s"))
+                # what a Ctrl-C would hand off (read before it: the terminal signals the shifts too)
+                held = _held_by(launcher, store)
                 if prefix is not None:
                     if demo_finished(demo_states(store, prefix)):
                         finished = True
@@ -274,18 +305,31 @@ def up(
                 continue
             outage.answered()
             stop.wait(0.5)
+    interrupted = stop.is_set()
+    if interrupted:
+        console.print(f"stopping: the shifts hand off their {len(held)} running task(s) to the next shift …",
+                      highlight=False)
+    launcher.stop_all()
     try:
-        rows = store.query("lane_summary")
+        if interrupted:
+            states = [store.get_task(t).state for t in held]
+            queued = sum(1 for s in states if s == "queued")
+            rest = f"; {len(held) - queued} ended otherwise" if queued < len(held) else ""
+            console.print(f"stopped: {queued} task(s) handed off, queued for the next `fleet up` or shift{rest}",
+                          highlight=False)
+        console.print(summary_table(summary(), "this demo's tasks" if prefix is not None else "summary"))
+        if prefix is None:
+            return
+        took = f"{time.monotonic() - started:.0f}s"
+        fleet = _invocation()
+        ending = demo_ending(demo_states(store, prefix)).replace("`fleet ", f"`{fleet} ")
     except DatabaseUnavailable as exc:
         raise DatabaseUnavailable(f"{r.database} did not answer for the summary: {exc}") from None
-    console.print(summary_table(rows, "summary"))
-    if demo and not finished:
-        raise InvalidInput(f"the demo did not finish within {timeout:.0f}s; see {r.cfg.path(r.cfg.fleet.home) / 'logs'}")
-    if prefix is not None:
-        states = demo_states(store, prefix)
-        waiting = ", ".join(f"{n} {s}" for s, n in states.items() if s in WAITING_STATES)
-        fleet = _invocation()
-        ending = f"every task is done or dead except {waiting} (waiting for a person: `{fleet} tasks --state blocked`)" \
-            if waiting else "every task is done or dead"
-        console.print(f"demo finished in {time.monotonic() - started:.0f}s: {ending}. "
-                      f"Try `{fleet} tasks` and `{fleet} show {prefix}7`.", highlight=False)
+    if interrupted and not finished:
+        console.print(f"demo stopped after {took}: {ending}", highlight=False)
+        raise typer.Exit(130)
+    if not finished:
+        raise InvalidInput(f"the demo did not finish within {timeout:.0f}s ({ending}); "
+                           f"see {r.cfg.path(r.cfg.fleet.home) / 'logs'}")
+    console.print(f"demo finished in {took}: {ending}. Try `{fleet} tasks` and `{fleet} show {prefix}7`.",
+                  highlight=False)

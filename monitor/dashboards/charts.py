@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from monitor.dashboards.reads import ReportData, bucket_floor, nice_step
-from monitor.dashboards.terminal import fmt_num, fmt_secs
+from worker.tables import fmt_num, fmt_secs
 
 PALETTE = ["#2f6fd0", "#e0712c", "#2a9d5b", "#c23b5a", "#8a5cc9", "#9a7b1d", "#1f9eb0", "#d14fa8",
            "#5f6b7a", "#6aa12b"]

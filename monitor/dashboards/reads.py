@@ -22,7 +22,7 @@ from uuid import UUID
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from worker.errors import DatabaseUnavailable, InvalidInput, UnknownLane
+from worker.errors import DatabaseUnavailable, InvalidInput
 from worker.store.postgres import PostgresStore, translate
 from worker.store.protocol import Store
 from worker.store.reads import load_queries
@@ -118,14 +118,6 @@ def dump(data: Any, *, pretty: bool = True) -> str:
     return json.dumps(jsonable(data), separators=(",", ":"))
 
 
-def check_lane(store: PostgresStore, lane: str | None) -> None:
-    if lane is None:
-        return
-    names = store.lane_names()
-    if lane not in names:
-        raise UnknownLane(f"unknown lane {lane!r}", "known lanes: " + (", ".join(names) or "none"))
-
-
 # -- the data of each command
 
 
@@ -142,24 +134,28 @@ def status_data(r: Reader, lane: str | None = None, repairs: int = 10) -> dict[s
     }
 
 
+_USAGE_SUMS = ("runs", "completed", "input_tokens", "cache_creation_tokens", "cache_read_tokens",
+               "output_tokens", "total_tokens", "cost_usd")
+
+
+def _usage_sum(rows: list[dict[str, Any]], lane: str | None) -> dict[str, Any]:
+    """The usage rows added up, with the shares and per-completed figures of the sums."""
+    acc: dict[str, Any] = {"lane": lane, **{k: sum(row[k] or 0 for row in rows) for k in _USAGE_SUMS}}
+    prompt = acc["input_tokens"] + acc["cache_creation_tokens"] + acc["cache_read_tokens"]
+    acc["cache_read_share"] = round(acc["cache_read_tokens"] / prompt, 4) if prompt else None
+    acc["cost_per_completed"] = (round(Decimal(acc["cost_usd"]) / acc["completed"], 6)
+                                 if acc["completed"] else None)
+    acc["tokens_per_completed"] = (round(acc["total_tokens"] / acc["completed"], 1)
+                                   if acc["completed"] else None)
+    return acc
+
+
 def _usage_totals(usage: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    keys = ("runs", "completed", "input_tokens", "cache_creation_tokens", "cache_read_tokens",
-            "output_tokens", "total_tokens", "cost_usd")
-    by_lane: dict[str, dict[str, Any]] = {}
+    """Per lane, its days added up."""
+    by_lane: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in usage:
-        acc = by_lane.setdefault(row["lane"], {"lane": row["lane"], **{k: 0 for k in keys}})
-        for k in keys:
-            acc[k] += row[k] or 0
-    out = []
-    for acc in sorted(by_lane.values(), key=lambda a: str(a["lane"])):
-        prompt = acc["input_tokens"] + acc["cache_creation_tokens"] + acc["cache_read_tokens"]
-        acc["cache_read_share"] = round(acc["cache_read_tokens"] / prompt, 4) if prompt else None
-        acc["cost_per_completed"] = (round(Decimal(acc["cost_usd"]) / acc["completed"], 6)
-                                     if acc["completed"] else None)
-        acc["tokens_per_completed"] = (round(acc["total_tokens"] / acc["completed"], 1)
-                                       if acc["completed"] else None)
-        out.append(acc)
-    return out
+        by_lane[row["lane"]].append(row)
+    return [_usage_sum(rows, lane) for lane, rows in sorted(by_lane.items())]
 
 
 def stats_data(r: Reader, since_seconds: float, lane: str | None = None) -> dict[str, Any]:
@@ -172,6 +168,7 @@ def stats_data(r: Reader, since_seconds: float, lane: str | None = None) -> dict
         for row in r.rows("entry_lanes", since=since)]
     split = r.rows("cohort_split", **{"from": since, "to": now, "lane": lane})
     return {"as_of": now, "since": since, "usage": usage, "usage_totals": _usage_totals(usage),
+            "usage_total": _usage_sum(usage, None) if usage else None,
             "cohort": cohort, "cohort_by_lane": by_lane,
             # batched vs unbatched: only when the window saw a batch
             "cohort_split": split if any(row["batch_members"] for row in split) else []}
@@ -194,6 +191,7 @@ def snapshot_data(r: Reader, since_seconds: float, limit: int = 1000) -> dict[st
         "throughput": r.rows("throughput_since", since=since, lane=None),
         "usage": stats["usage"],
         "usage_totals": stats["usage_totals"],
+        "usage_total": stats["usage_total"],
         "cohort": stats["cohort"],
         "cohort_by_lane": stats["cohort_by_lane"],
         "cohort_split": stats["cohort_split"],

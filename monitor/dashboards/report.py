@@ -16,8 +16,8 @@ from monitor.dashboards.charts import (
     utc_iso,
 )
 from monitor.dashboards.reads import ReportData
-from monitor.dashboards.terminal import fmt_cost, fmt_num, fmt_secs
 from worker.errors import InvalidInput
+from worker.tables import fmt_cost, fmt_num, fmt_secs
 
 CSS = """
 :root { color-scheme: light; }
@@ -109,7 +109,7 @@ def render_report(d: ReportData) -> str:
                  f'{c["interventions"]} ({c["operator_cancels"]} + {c["operator_retries"]})'),
             ]) + "</tbody></table>"
     dead = _table(["task", "lane", "key", "reason", "last error", "attempts", "died"],
-                  [[r["task_id"], r["lane"], r["key"], r["dead_reason"], (r["last_error"] or "")[:80],
+                  [[r["task_id"], r["lane"], r["key"], r["dead_reason"], (r["last_error"] or "")[:300],
                     r["attempts"], r["died_at"].strftime("%Y-%m-%d %H:%M:%S") if r["died_at"] else ""]
                    for r in d.dead_letters], left=5) if d.dead_letters else '<p class="note">none in 30 days</p>'
     title = "lanefleet report" + (f" — lane {d.lane}" if d.lane else "")
@@ -144,10 +144,19 @@ first activity, <time datetime="{utc_iso(d.start)}">{utc_iso(d.start)}</time>.</
 
 
 
+def check_out(out: Path) -> None:
+    """InvalidInput unless ``out`` can be written where it is: its folder must exist (a typo in a
+    path would otherwise make directories nobody asked for), and it must not be a folder."""
+    if not out.parent.is_dir():
+        raise InvalidInput(f"--out {out}: there is no directory {out.parent}")
+    if out.is_dir():
+        raise InvalidInput(f"--out {out}: that is a directory; name the HTML file to write")
+
+
 def write_report(out: Path, text: str) -> None:
     """Write the report to ``out`` atomically (a temporary file beside it, then a rename)."""
+    check_out(out)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(out)

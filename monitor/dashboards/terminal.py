@@ -1,5 +1,5 @@
-"""The dashboards in a terminal: ``fleet status`` and ``fleet stats`` as rich tables, and the
-number formats every dashboard uses (durations, counts, costs, shares, bytes)."""
+"""The dashboards in a terminal: ``fleet status`` and ``fleet stats`` as tables that fit the
+terminal (:class:`worker.tables.FitTable`: fewer columns at 80, every one with ``--wide``)."""
 
 from __future__ import annotations
 
@@ -8,45 +8,9 @@ from typing import Any
 
 from rich.console import Group, RenderableType
 from rich.markup import escape
-from rich.table import Table
 from rich.text import Text
 
-
-def fmt_secs(value: Any) -> str:
-    if value is None:
-        return "—"
-    s = float(value)
-    sign = "-" if s < 0 else ""
-    s = abs(s)
-    if s < 1:
-        return f"{sign}{s * 1000:.0f}ms"
-    if s < 10:
-        return f"{sign}{s:.1f}s".replace(".0s", "s")
-    if s < 60:
-        return f"{sign}{s:.0f}s"
-    if s < 3600:
-        return f"{sign}{int(s // 60)}m{int(s % 60):02d}s"
-    if s < 86400:
-        return f"{sign}{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
-    return f"{sign}{int(s // 86400)}d{int(s % 86400 // 3600):02d}h"
-
-
-def fmt_num(value: Any) -> str:
-    if value is None:
-        return "—"
-    v = float(value)
-    for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(v) >= limit:
-            return f"{v / limit:.1f}{suffix}"
-    return f"{v:.0f}" if v == int(v) else f"{v:.1f}"
-
-
-def fmt_cost(value: Any) -> str:
-    return "—" if value is None else f"${float(value):,.4f}"
-
-
-def fmt_share(value: Any) -> str:
-    return "—" if value is None else f"{float(value) * 100:.1f}%"
+from worker.tables import Col, FitTable, fmt_cost, fmt_num, fmt_secs, fmt_share
 
 
 def _ago(now: datetime, when: Any) -> str:
@@ -55,14 +19,18 @@ def _ago(now: datetime, when: Any) -> str:
     return fmt_secs((now - when).total_seconds()) + " ago"
 
 
-def render_status(data: dict[str, Any]) -> RenderableType:
+def render_status(data: dict[str, Any], wide: bool = False) -> RenderableType:
     now: datetime = data["as_of"]
-    lanes = Table("lane", "queued", "ready", "later", "running", "slots", "idle", "oldest ready",
-                  "done 24h", "failed", "dead", "cancelled", "retries", "hand-offs", "repairs",
-                  "shifts", "last hand-off", title="lanes", title_justify="left")
+    lanes = FitTable([Col("lane", "key"), Col("queued", "num"), Col("ready", "num"), Col("later", "num", 5),
+                      Col("running", "num"), Col("slots", "num"), Col("idle", "num", 6),
+                      Col("oldest ready", "num", 1), Col("done 24h", "num", 2), Col("failed", "num", 1),
+                      Col("dead", "num", 1), Col("cancelled", "num", 5), Col("retries", "num", 4),
+                      Col("hand-offs", "num", 4), Col("repairs", "num", 3), Col("shifts", "num", 3),
+                      Col("last hand-off", "key", 6)],
+                     title="lanes (counts of the last 24h)", wide=wide)
     for row in data["lanes"]:
-        name = row["lane"] + (" [dim](retired)[/]" if row.get("retired") else
-                              " [yellow](paused)[/]" if row["paused"] else "")
+        name = escape(row["lane"]) + (" [dim](retired)[/]" if row.get("retired") else
+                                      " [yellow](paused)[/]" if row["paused"] else "")
         lanes.add_row(name, str(row["queued"]), str(row["ready"]), str(row["scheduled"]),
                       str(row["running"]), "∞" if row["slots"] is None else str(row["slots"]),
                       "—" if row["idle_slots"] is None else str(row["idle_slots"]),
@@ -77,10 +45,12 @@ def render_status(data: dict[str, Any]) -> RenderableType:
                               "`fleet lanes sync`)", style="yellow"))
 
     if data["stuck"]:
-        stuck = Table("task", "lane", "key", "why", "running", "lane p95", "lease left", "shift",
-                      title="stuck tasks", title_justify="left", title_style="bold red")
+        stuck = FitTable([Col("task", "num"), Col("lane", "key", 2), Col("key", "key"), Col("why", min_width=14),
+                          Col("running", "num", 2), Col("lane p95", "num", 3), Col("lease left", "num", 1),
+                          Col("shift", "key", 2)],
+                         title="stuck tasks", title_style="bold red", wide=wide)
         for row in data["stuck"]:
-            stuck.add_row(str(row["task_id"]), row["lane"], escape(row["key"]), ", ".join(row["reasons"]),
+            stuck.add_row(str(row["task_id"]), escape(row["lane"]), escape(row["key"]), ", ".join(row["reasons"]),
                           fmt_secs(row["running_seconds"]), fmt_secs(row["lane_p95_seconds"]),
                           fmt_secs(row["lease_remaining_seconds"]),
                           f"{escape(row['host'])}:{row['pid']} ({row['session_state']})")
@@ -89,41 +59,50 @@ def render_status(data: dict[str, Any]) -> RenderableType:
         parts.append(Text("stuck tasks: none", style="green"))
 
     if data.get("blocked"):
-        blocked = Table("task", "lane", "key", "why", "tier", "profile", "blocked", "evidence",
-                        title="blocked tasks: `fleet resume TASK` re-runs the gate, `fleet retry TASK` the agent",
-                        title_justify="left", title_style="bold yellow")
+        blocked = FitTable([Col("task", "num"), Col("lane", "key", 2), Col("key", "key"), Col("why", "key"),
+                            Col("tier", "key", 3), Col("profile", "key", 3), Col("blocked", "key", 2),
+                            Col("evidence", drop=1)],
+                           title="blocked tasks: `fleet resume TASK` re-runs the gate, `fleet retry TASK` the agent",
+                           title_style="bold yellow", wide=wide)
         for row in data["blocked"]:
             evidence = (row["evidence"] or "").strip().splitlines()
-            blocked.add_row(str(row["id"]), row["lane"], escape(row["key"]), row["block_reason"],
-                            row["tier"] or "", row["profile"] or "", _ago(now, row["blocked_at"]),
-                            escape(evidence[-1][:80] if evidence else ""))
+            blocked.add_row(str(row["id"]), escape(row["lane"]), escape(row["key"]), escape(row["block_reason"]),
+                            escape(row["tier"] or ""), escape(row["profile"] or ""), _ago(now, row["blocked_at"]),
+                            escape(evidence[-1][:200] if evidence else ""))
         parts.append(blocked)
 
     if data.get("attention"):
-        waiting = Table("task", "lane", "key", "waits for", "since", "host:pid",
-                        title="needs attention (an agent waits on a question or a permission prompt)",
-                        title_justify="left", title_style="bold yellow")
+        waiting = FitTable([Col("task", "num"), Col("lane", "key", 2), Col("key", "key"), Col("waits for"),
+                            Col("since", "key", 1), Col("host:pid", "key", 2)],
+                           title="needs attention (an agent waits on a question or a permission prompt)",
+                           title_style="bold yellow", wide=wide)
         for row in data["attention"]:
-            waiting.add_row(str(row["id"]), row["lane"], escape(row["key"]), escape(row["attention"] or ""),
+            waiting.add_row(str(row["id"]), escape(row["lane"]), escape(row["key"]), escape(row["attention"] or ""),
                             _ago(now, row["attention_at"]), f"{escape(row['host'])}:{row['pid']}")
         parts.append(waiting)
 
     if data.get("pools"):
-        pools = Table("pool", "slots", "in use", "throttled until", "throttles today", "provider errors today",
-                      "spill-overs today", "profiles", title="capacity pools", title_justify="left")
+        pools = FitTable([Col("pool", "key"), Col("slots", "num"), Col("in use", "num"),
+                          Col("throttled until", "key"), Col("throttles today", "num", 1),
+                          Col("provider errors today", "num", 2), Col("spill-overs today", "num", 2),
+                          Col("profiles", drop=3)],
+                         title="capacity pools", wide=wide)
         for row in data["pools"]:
             until = row["throttled_until"]
-            pools.add_row(row["pool"], "∞" if row["slots"] is None else str(row["slots"]), str(row["in_use"]),
+            pools.add_row(escape(row["pool"]), "∞" if row["slots"] is None else str(row["slots"]), str(row["in_use"]),
                           f"[red]{until:%Y-%m-%d %H:%M:%S}[/]" if until else "—", _red(row["throttles_today"]),
                           _red(row["transients_today"]), str(row["spillovers_today"]), escape(row["profiles"] or ""))
         parts.append(pools)
 
     if data["sessions"]:
-        sessions = Table("session", "lane", "host:pid", "age", "deadline in", "heartbeat", "holds",
-                         "runs", "done", "failed", "hand-offs", "tokens", "cost",
-                         title="active shifts", title_justify="left")
+        sessions = FitTable([Col("session", "key"), Col("lane", "key"), Col("host:pid", "key", 1),
+                             Col("age", "num", 3), Col("deadline in", "num", 2), Col("heartbeat", "num", 1),
+                             Col("holds", "num"), Col("runs", "num", 4), Col("done", "num", 3),
+                             Col("failed", "num", 3), Col("hand-offs", "num", 4), Col("tokens", "num", 2),
+                             Col("cost", "num", 2)],
+                            title="active shifts", wide=wide)
         for row in data["sessions"]:
-            sessions.add_row(str(row["session_id"])[:8], row["lane"], f"{escape(row['host'])}:{row['pid']}",
+            sessions.add_row(str(row["session_id"])[:8], escape(row["lane"]), f"{escape(row['host'])}:{row['pid']}",
                              fmt_secs(row["age_seconds"]), fmt_secs(row["deadline_in_seconds"]),
                              fmt_secs(row["heartbeat_age_seconds"]) + " ago", str(row["tasks_held"]),
                              str(row["runs"]), str(row["done"]), str(row["failed"]),
@@ -133,11 +112,12 @@ def render_status(data: dict[str, Any]) -> RenderableType:
         parts.append(Text("active shifts: none"))
 
     if data["repairs"]:
-        repairs = Table("when", "lane", "task", "key", "reason", "→", "host:pid",
-                        title="recent repairs (7 days)", title_justify="left")
+        repairs = FitTable([Col("when", "key"), Col("lane", "key", 2), Col("task", "num"), Col("key", "key"),
+                            Col("reason", "key"), Col("→", "key"), Col("host:pid", "key", 1)],
+                           title="recent repairs (7 days)", wide=wide)
         for row in data["repairs"]:
-            repairs.add_row(_ago(now, row["ts"]), row["lane"] or "", str(row["task_id"]),
-                            escape(row["key"] or ""), row["reason"] or "", row["state"] or "",
+            repairs.add_row(_ago(now, row["ts"]), escape(row["lane"] or ""), str(row["task_id"]),
+                            escape(row["key"] or ""), escape(row["reason"] or ""), row["state"] or "",
                             f"{escape(row['host'] or '?')}:{row['pid'] or '?'}")
         parts.append(repairs)
     else:
@@ -150,35 +130,51 @@ def _red(n: Any) -> str:
     return f"[red]{n}[/]" if n else str(n)
 
 
-def render_stats(data: dict[str, Any]) -> RenderableType:
+_USAGE = [Col("day (UTC)", "key"), Col("lane", "key"), Col("runs", "num", 3), Col("done", "num"),
+          Col("tokens", "num", 1), Col("input", "num", 4), Col("cache write", "num", 5), Col("cache read", "num", 4),
+          Col("output", "num", 4), Col("cache-read share", "num", 3), Col("cost", "num"),
+          Col("cost/done", "num", 1), Col("tokens/done", "num", 2)]
+
+
+def _usage_row(row: dict[str, Any], day: str, lane: str) -> list[str]:
+    return [day, lane, str(row["runs"]), str(row["completed"]), fmt_num(row["total_tokens"]),
+            fmt_num(row["input_tokens"]), fmt_num(row["cache_creation_tokens"]),
+            fmt_num(row["cache_read_tokens"]), fmt_num(row["output_tokens"]),
+            fmt_share(row["cache_read_share"]), fmt_cost(row["cost_usd"]),
+            fmt_cost(row["cost_per_completed"]), fmt_num(row["tokens_per_completed"])]
+
+
+def render_stats(data: dict[str, Any], wide: bool = False) -> RenderableType:
     since: datetime = data["since"]
-    usage = Table("day (UTC)", "lane", "runs", "completed", "input", "cache write", "cache read",
-                  "output", "cache-read share", "cost", "cost/completed", "tokens/completed",
-                  title=f"usage since {since:%Y-%m-%d %H:%M} UTC", title_justify="left")
+    usage = FitTable(_USAGE, title=f"usage since {since:%Y-%m-%d %H:%M} UTC", wide=wide)
     for row in data["usage"]:
-        usage.add_row(str(row["day"]), row["lane"], str(row["runs"]), str(row["completed"]),
-                      fmt_num(row["input_tokens"]), fmt_num(row["cache_creation_tokens"]),
-                      fmt_num(row["cache_read_tokens"]), fmt_num(row["output_tokens"]),
-                      fmt_share(row["cache_read_share"]), fmt_cost(row["cost_usd"]),
-                      fmt_cost(row["cost_per_completed"]), fmt_num(row["tokens_per_completed"]))
-    if data["usage_totals"]:
+        usage.add_row(*_usage_row(row, str(row["day"]), escape(row["lane"])))
+    # a lane's total where it has more than one day, and the fleet's over more than one row: a
+    # total that would repeat its one row says nothing
+    days: dict[str, int] = {}
+    for row in data["usage"]:
+        days[row["lane"]] = days.get(row["lane"], 0) + 1
+    subtotals = [row for row in data["usage_totals"] if days.get(row["lane"], 0) > 1]
+    total = data.get("usage_total") if len(data["usage"]) > 1 and len(days) > 1 else None
+    if subtotals or total:
         usage.add_section()
-        for row in data["usage_totals"]:
-            usage.add_row("[bold]total[/]", row["lane"], str(row["runs"]), str(row["completed"]),
-                          fmt_num(row["input_tokens"]), fmt_num(row["cache_creation_tokens"]),
-                          fmt_num(row["cache_read_tokens"]), fmt_num(row["output_tokens"]),
-                          fmt_share(row["cache_read_share"]), fmt_cost(row["cost_usd"]),
-                          fmt_cost(row["cost_per_completed"]), fmt_num(row["tokens_per_completed"]))
-    cohort = Table("cohort", "tasks", "done", "dead", "cancelled", "open", "makespan", "wall p50",
-                   "wall p95", "attempts/task", "failures", "hand-offs", "repairs", "tokens/done",
-                   "cost/done", "interventions",
-                   title=f"cohort: tasks queued since {since:%Y-%m-%d %H:%M} UTC", title_justify="left")
+        for row in subtotals:
+            usage.add_row(*_usage_row(row, "[bold]total[/]", escape(row["lane"])))
+        if total:
+            usage.add_row(*_usage_row(total, "[bold]total[/]", "[bold]all lanes[/]"))
+    cohort = FitTable([Col("cohort", "key"), Col("tasks", "num"), Col("done", "num"), Col("dead", "num"),
+                       Col("cancelled", "num", 4), Col("open", "num"), Col("makespan", "num", 2),
+                       Col("wall p50", "num", 3), Col("wall p95", "num", 1), Col("attempts/task", "num", 4),
+                       Col("failures", "num", 3), Col("hand-offs", "num", 4), Col("repairs", "num", 4),
+                       Col("tokens/done", "num", 2), Col("cost/done", "num", 1),
+                       Col("interventions", drop=5, min_width=14)],
+                      title=f"cohort: tasks queued since {since:%Y-%m-%d %H:%M} UTC", wide=wide)
     rows = [data["cohort"], *data["cohort_by_lane"]]
     for row in rows:
         if not row:
             continue
-        cohort.add_row(row["lane"] or "[bold]all lanes[/]", str(row["tasks"]), str(row["completed"]),
-                       str(row["dead"]), str(row["cancelled"]), str(row["open"]),
+        cohort.add_row(escape(row["lane"]) if row["lane"] else "[bold]all lanes[/]", str(row["tasks"]),
+                       str(row["completed"]), str(row["dead"]), str(row["cancelled"]), str(row["open"]),
                        fmt_secs(row["makespan_seconds"]), fmt_secs(row["wall_p50_seconds"]),
                        fmt_secs(row["wall_p95_seconds"]),
                        "—" if row["attempts_per_task"] is None else f"{row['attempts_per_task']}",
@@ -188,9 +184,11 @@ def render_stats(data: dict[str, Any]) -> RenderableType:
                        f"{row['operator_retries']} retries)")
     if not data.get("cohort_split"):
         return Group(usage, cohort)
-    split = Table("tasks", "tasks", "done", "makespan", "tokens/done", "cache-read share", "cost/done",
-                  "ship runs/done", "batches", "members", "evicted", "blocks", "interventions",
-                  title="the same cohort, batched vs unbatched (fleet.cohort_split)", title_justify="left")
+    split = FitTable([Col("cohort", "key"), Col("tasks", "num"), Col("done", "num"), Col("makespan", "num", 2),
+                      Col("tokens/done", "num", 2), Col("cache-read share", "num", 3), Col("cost/done", "num"),
+                      Col("ship runs/done", "num", 3), Col("batches", "num", 4), Col("members", "num", 1),
+                      Col("evicted", "key", 1), Col("blocks", "num", 4), Col("interventions", "num", 4)],
+                     title="the same cohort, batched vs unbatched (fleet.cohort_split)", wide=wide)
     for row in data["cohort_split"]:
         split.add_row(row["cohort"], str(row["tasks"]), str(row["completed"]), fmt_secs(row["makespan_seconds"]),
                       fmt_num(row["tokens_per_completed"]), fmt_share(row["cache_read_share"]),
@@ -200,15 +198,3 @@ def render_stats(data: dict[str, Any]) -> RenderableType:
                       f"{row['evicted']} ({fmt_share(row['eviction_rate'])})" if row["batch_members"] else "—",
                       str(row["blocks"]), str(row["interventions"]))
     return Group(usage, cohort, split)
-
-
-
-
-def human_bytes(n: int | float | None) -> str:
-    """1536 → "1.5 KiB"."""
-    value = float(n or 0)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover

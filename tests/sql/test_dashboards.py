@@ -686,3 +686,39 @@ def test_lane_summary_counts_every_state(conn: psycopg.Connection) -> None:
     assert cur.description is not None
     row = dict(zip([d.name for d in cur.description], cur.fetchone() or (), strict=True))
     assert {s: row[s] for s in TASK_STATES} == dict.fromkeys(TASK_STATES, 1)
+
+
+def test_lane_summary_of_a_key_prefix_counts_those_tasks_and_their_runs_alone(conn: psycopg.Connection) -> None:
+    # `fleet up --demo`'s own run: an earlier demo's tasks and runs in the same lanes are not counted
+    sync_lane(conn, "s")
+    sync_lane(conn, "r", accepts_from=["s"])
+    sync_lane(conn, "idle")
+    sess = open_session(conn, "s")
+    usage = {"input_tokens": 100, "cache_creation_tokens": 10, "cache_read_tokens": 1000, "output_tokens": 5,
+             "cost_usd": 0.25}
+    for key in ("old:1", "new:1", "new:2"):
+        task_id = enqueue(conn, "s", key)
+        tok = take(conn, sess, task_id)["lease_token"]
+        record_run(conn, tok, usage)
+        if key == "new:2":  # its run stays with lane s; the task goes on in r
+            route(conn, task_id, tok, "r")
+        else:
+            complete(conn, task_id, tok)
+    failing = enqueue(conn, "s", "new:3")
+    fail(conn, failing, take(conn, sess, failing)["lease_token"], "boom", retryable=False)
+
+    def summary(*args: Any) -> dict[str, dict[str, Any]]:
+        got = rows(conn, "select * from fleet.lane_summary(" + ", ".join(["%s"] * len(args)) + ")", args)
+        return {r["lane"]: {k: r[k] for k in ("queued", "done", "dead", "retries", "tokens", "cost_usd")} for r in got}
+
+    per_run = 100 + 10 + 1000 + 5
+    assert summary("new:") == {
+        "s": {"queued": 0, "done": 1, "dead": 1, "retries": 1, "tokens": 2 * per_run, "cost_usd": Decimal("0.5")},
+        "r": {"queued": 1, "done": 0, "dead": 0, "retries": 0, "tokens": 0, "cost_usd": 0}}
+    # without a prefix (and with NULL): every lane, every task and run, as before
+    everything = {"idle": {"queued": 0, "done": 0, "dead": 0, "retries": 0, "tokens": 0, "cost_usd": 0},
+                  "r": {"queued": 1, "done": 0, "dead": 0, "retries": 0, "tokens": 0, "cost_usd": 0},
+                  "s": {"queued": 0, "done": 2, "dead": 1, "retries": 1, "tokens": 3 * per_run,
+                        "cost_usd": Decimal("0.75")}}
+    assert summary() == summary(None) == everything
+    assert summary("nothing-has-this:") == {}

@@ -180,6 +180,8 @@ def test_named_queries_over_rest(rest: SupabaseStore, operator: SupabaseStore, l
     assert sorted((r["lane"], r["ready"]) for r in operator.query("ready_by_lane")) == [("docs", 1), ("review", 1)]
     summary = {r["lane"]: r for r in operator.query("lane_summary")}
     assert summary["docs"]["queued"] == 2 and summary["review"]["queued"] == 1 and summary["closed"]["queued"] == 0
+    # the demo's own run: the tasks of its prefix alone, in the lanes that have any
+    assert [(r["lane"], r["queued"]) for r in operator.query("summary_with_prefix", prefix="demo:ab:")] == [("docs", 2)]
     lanes_ = rest.query("list_lanes")
     assert [r["name"] for r in lanes_] == ["closed", "docs", "review"]
     assert isinstance(lanes_[0]["created_at"], datetime)

@@ -94,16 +94,20 @@ def agent_env(base: Mapping[str, str], task: Mapping[str, str], *, names: Iterab
     return {**base_env(base, names, values), **task}
 
 
-def tail(path: Path, limit: int = 4000) -> str:
-    """The last ``limit`` bytes of a log, as text."""
+def tail(path: Path, limit: int = 4000, *, whole_lines: bool = False) -> str:
+    """The last ``limit`` bytes of a log, as text; ``whole_lines``: without the line the cut fell
+    in (a fragment of a JSON record reads as text that is not one)."""
     try:
         with path.open("rb") as fh:
             fh.seek(0, os.SEEK_END)
             size = fh.tell()
             fh.seek(max(0, size - limit))
-            return fh.read().decode("utf-8", "replace")
+            data = fh.read()
     except OSError:
         return ""
+    if whole_lines and size > limit:
+        data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
+    return data.decode("utf-8", "replace")
 
 
 class AgentProcess:

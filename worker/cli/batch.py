@@ -7,9 +7,9 @@ from typing import Annotated
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
-from worker.cli.context import JsonTablesOpt, console, emit_json, rt
+from worker.cli.context import JsonTablesOpt, WideOpt, console, emit_json, rt
+from worker.tables import Col, FitTable, fmt_cost, fmt_num, print_table
 
 batch_app = typer.Typer(no_args_is_help=True, help="Batches: members of a lane run one after another, "
                         "landed on one integration branch, shipped once.")
@@ -40,7 +40,7 @@ def batch_create(
 
 @batch_app.command("show")
 def batch_show(ctx: typer.Context, batch_id: Annotated[int, typer.Argument(help="the batch id")],
-               as_json: JsonTablesOpt = False) -> None:
+               wide: WideOpt = False, as_json: JsonTablesOpt = False) -> None:
     """A batch and its members: state, branch, landed range, gate, spend."""
     b = rt(ctx).store().batch_call("batch_get", {"p_batch": batch_id}, idempotent=True)
     if as_json:
@@ -49,11 +49,14 @@ def batch_show(ctx: typer.Context, batch_id: Annotated[int, typer.Argument(help=
     console.print(f"batch {b['id']} · lane {b['lane']} · {b['state']}"
                   + (f" ({b['block_reason']})" if b.get("block_reason") else "")
                   + f" · branch {b.get('integration_branch') or '-'} · profile {b.get('profile') or '-'}")
-    table = Table("n", "key", "state", "gate", "branch", "landed", "tokens", "cost")
+    table = FitTable([Col("n", "num"), Col("key", "key"), Col("state", "key"), Col("gate", "key", 2),
+                      Col("branch", "key", 3), Col("landed", "key", 1), Col("tokens", "num"), Col("cost", "num")],
+                     wide=wide)
     for m in b["members"]:
         landed = f"{str(m['landed_from'])[:10]}..{str(m['landed_to'])[:10]}" if m.get("landed_to") else ""
-        table.add_row(str(m["n"]), escape(m["key"]), m["state"], m.get("gate") or "", escape(m.get("branch") or ""),
-                      landed, str(m.get("tokens") or 0), f"${float(m.get('cost_usd') or 0):.4f}")
-    console.print(table)
+        table.add_row(str(m["n"]), escape(m["key"]), m["state"], escape(m.get("gate") or ""),
+                      escape(m.get("branch") or ""), landed, fmt_num(m.get("tokens") or 0),
+                      fmt_cost(m.get("cost_usd") or 0))
+    print_table(console, table, wide=wide)
     if b.get("report", {}).get("ship"):
         console.print(f"ship: {escape(json.dumps(b['report']['ship']))}")

@@ -28,6 +28,8 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a t
 JsonTablesOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
 TASK_REF_HELP = "a task's id, or its key (key:K for a key of only digits, which reads as an id)"
 TaskRef = Annotated[str, typer.Argument(metavar="ID|KEY", help=TASK_REF_HELP)]
+# a table shows the columns that fit the terminal; --wide every one, lines as long as they get
+WideOpt = Annotated[bool, typer.Option("--wide", help="every column, however wide (default: those that fit)")]
 # keys are per lane: the lane of a key that names tasks in several lanes
 KeyLaneOpt = Annotated[str | None, typer.Option("--lane", "-l", help="the lane of the key (keys are per lane)")]
 

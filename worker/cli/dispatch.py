@@ -9,16 +9,16 @@ from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from worker.agent.executor import render_argv
-from worker.cli.context import JsonTablesOpt, console, emit_json, rt
+from worker.cli.context import JsonTablesOpt, WideOpt, console, emit_json, rt
 from worker.shift.dispatch import SAMPLE_VALUES, resolved
+from worker.tables import Col, FitTable, print_table
 
 pools_app = typer.Typer(no_args_is_help=True, help="Capacity pools: their slots and throttles, and lifting a throttle.")
 
 
-def profiles(ctx: typer.Context, as_json: JsonTablesOpt = False) -> None:
+def profiles(ctx: typer.Context, wide: WideOpt = False, as_json: JsonTablesOpt = False) -> None:
     """Every dispatch profile and each lane's dispatch (pool → profile → agent → tier → model → argv)."""
     data = resolved(rt(ctx).cfg)
     if as_json:
@@ -28,34 +28,32 @@ def profiles(ctx: typer.Context, as_json: JsonTablesOpt = False) -> None:
         console.print("no profiles in the config: lanes run their own `command` with their `model`")
     for p in data["profiles"]:
         pool = f"pool {p['pool']} ({'unlimited' if p['slots'] is None else p['slots']} slots)" if p["pool"] else "no pool"
-        table = Table(title=f"profile {p['name']} — agent {p['agent']}, {pool}", title_justify="left")
-        table.add_column("tier")
-        table.add_column("model")
-        table.add_column("argv")
+        caption = (escape("resumes a session with: " + " ".join(render_argv(p["resume"], SAMPLE_VALUES)))
+                   if p["resume"] is not None else None)
+        table = FitTable([Col("tier", "key"), Col("model", "key"), Col("argv", min_width=20)],
+                         title=escape(f"profile {p['name']} — agent {p['agent']}, {pool}"), caption=caption, wide=wide)
         for tier, t in p["tiers"].items():
-            table.add_row(tier, escape(t["model"] or ""), escape(" ".join(t["argv"])))
+            table.add_row(escape(tier), escape(t["model"] or ""), escape(" ".join(t["argv"])))
         if not p["tiers"]:
             table.add_row("-", escape(p["default_model"] or ""), escape(" ".join(render_argv(p["command"], SAMPLE_VALUES))))
-        if p["resume"] is not None:
-            table.caption = escape("resumes a session with: " + " ".join(render_argv(p["resume"], SAMPLE_VALUES)))
-        console.print(table)
-    table = Table(title="lanes: what a spawn runs (pools in preference order)", title_justify="left")
-    for col in ("lane", "pool", "profile", "agent", "tier", "model", "argv"):
-        table.add_column(col)
+        print_table(console, table, wide=wide)
+    table = FitTable([Col("lane", "key"), Col("pool", "key", 2), Col("profile", "key"), Col("agent", "key", 2),
+                      Col("tier", "key", 1), Col("model", "key", 3), Col("argv", min_width=20)],
+                     title="lanes: what a spawn runs (pools in preference order)", wide=wide)
     for lane, rows in data["lanes"].items():
         for d in rows:
-            table.add_row(lane, d["pool"] or "-", d["profile"] or "(lane command)", d["agent"], d["tier"] or "-",
-                          escape(d["model"] or "-"), escape(" ".join(d["argv"])))
-    console.print(table)
+            table.add_row(escape(lane), escape(d["pool"] or "-"), escape(d["profile"] or "(lane command)"),
+                          escape(d["agent"]), escape(d["tier"] or "-"), escape(d["model"] or "-"),
+                          escape(" ".join(d["argv"])))
+    print_table(console, table, wide=wide)
     # what each lane's agents may see of the host (names and paths, never a value)
-    table = Table(title="lanes: what their agents see (environment, sandbox)", title_justify="left")
-    for col in ("lane", "profile", "sees"):
-        table.add_column(col)
+    table = FitTable([Col("lane", "key"), Col("profile", "key"), Col("sees", min_width=20)],
+                     title="lanes: what their agents see (environment, sandbox)", wide=wide)
     for lane, rows in data["lanes"].items():
         seen = dict.fromkeys((d["profile"] or "(lane command)", d["access"]["summary"]) for d in rows)
         for profile, summary in seen:
-            table.add_row(lane, profile, escape(summary))
-    console.print(table)
+            table.add_row(escape(lane), escape(profile), escape(summary))
+    print_table(console, table, wide=wide)
 
 
 def _setter(by: dict[str, Any] | None) -> str:
@@ -75,7 +73,7 @@ def _when(value: Any) -> str:
 
 
 @pools_app.command("list")
-def pools_list(ctx: typer.Context, as_json: JsonTablesOpt = False) -> None:
+def pools_list(ctx: typer.Context, wide: WideOpt = False, as_json: JsonTablesOpt = False) -> None:
     """Every capacity pool in the database: slots, and a throttle with who set it."""
     rows = rt(ctx).store().pools()
     if as_json:
@@ -84,11 +82,12 @@ def pools_list(ctx: typer.Context, as_json: JsonTablesOpt = False) -> None:
     if not rows:
         console.print("no pools (they come from fleet.toml's [pools] by `fleet lanes sync`)")
         return
-    table = Table("pool", "slots", "throttled until", "note", "set by", title="capacity pools", title_justify="left")
+    table = FitTable([Col("pool", "key"), Col("slots", "num"), Col("throttled until", "key"), Col("note", drop=2),
+                      Col("set by", drop=1)], title="capacity pools", wide=wide)
     for r in rows:
-        table.add_row(r["name"], "∞" if r["slots"] is None else str(r["slots"]), _when(r["throttled_until"]),
-                      escape(str(r["throttle_note"] or ""))[:80], escape(_setter(r["throttled_by"])))
-    console.print(table)
+        table.add_row(escape(r["name"]), "∞" if r["slots"] is None else str(r["slots"]), _when(r["throttled_until"]),
+                      escape(str(r["throttle_note"] or "")[:300]), escape(_setter(r["throttled_by"])))
+    print_table(console, table, wide=wide)
 
 
 @pools_app.command("clear")

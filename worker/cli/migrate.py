@@ -7,9 +7,9 @@ from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from worker.cli.context import JsonOpt, console, emit_json, err_console, rt
+from worker.tables import Col, FitTable
 
 lanes_app = typer.Typer(no_args_is_help=True, help="Lanes: sync them from fleet.toml, list them, retire them.")
 
@@ -98,11 +98,13 @@ def lanes_list(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     if as_json:
         emit_json(rows)
         return
-    table = Table("lane", "max_running", "lease_s", "max_attempts", "max_handoffs", "state", "accepts_from")
+    table = FitTable([Col("lane", "key"), Col("max_running", "num"), Col("lease_s", "num", 2),
+                      Col("max_attempts", "num", 1), Col("max_handoffs", "num", 3), Col("state", "key"),
+                      Col("accepts_from", min_width=16)])
     for row in rows:
-        table.add_row(row["name"], str(row["max_running"] if row["max_running"] is not None else "∞"),
+        table.add_row(escape(row["name"]), str(row["max_running"] if row["max_running"] is not None else "∞"),
                       str(row["lease_seconds"]), str(row["max_attempts"]), str(row["max_handoffs"]),
-                      escape(lane_state(row)), ", ".join(row["accepts_from"] or []))
+                      escape(lane_state(row)), escape(", ".join(row["accepts_from"] or [])))
     console.print(table)
 
 

@@ -6,18 +6,20 @@ from typing import Annotated
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
-from worker.cli.context import JsonTablesOpt, KeyLaneOpt, TaskRef, console, emit_json, rt
+from worker.cli.context import JsonTablesOpt, KeyLaneOpt, TaskRef, WideOpt, console, emit_json, rt
+from worker.tables import Col, FitTable, print_table
 
 review_app = typer.Typer(no_args_is_help=True, help="Review: completed tasks of lanes with review = true.")
 
 
 @review_app.command("list")
 def review_list(ctx: typer.Context, lane: Annotated[str | None, typer.Option("--lane")] = None,
-                as_json: JsonTablesOpt = False) -> None:
+                wide: WideOpt = False, as_json: JsonTablesOpt = False) -> None:
     """Tasks waiting for review, oldest first."""
-    tasks = [t for t in rt(ctx).store().list_tasks(lane=lane, state="review", limit=1000)]
+    store = rt(ctx).store()
+    store.check_lane(lane)
+    tasks = [t for t in store.list_tasks(lane=lane, state="review", limit=1000)]
     if as_json:
         emit_json([{"id": t.id, "lane": t.lane, "key": t.key, "title": t.title, "tier": t.tier,
                     "profile": t.run_profile, "since": t.updated_at.isoformat(),
@@ -27,13 +29,14 @@ def review_list(ctx: typer.Context, lane: Annotated[str | None, typer.Option("--
     if not tasks:
         console.print("nothing waits for review")
         return
-    table = Table("id", "lane", "key", "tier", "profile", "since", "summary", title="waiting for review",
-                  title_justify="left")
+    table = FitTable([Col("id", "num"), Col("lane", "key"), Col("key", "key"), Col("tier", "key", 2),
+                      Col("profile", "key", 2), Col("since", "key", 1), Col("summary", min_width=16)],
+                     title="waiting for review", wide=wide)
     for t in tasks:
         summary = (t.result or {}).get("summary") if isinstance(t.result, dict) else None
-        table.add_row(str(t.id), t.lane, escape(t.key), t.tier or "", t.run_profile or "",
-                      f"{t.updated_at:%Y-%m-%d %H:%M}", escape(str(summary or ""))[:80])
-    console.print(table)
+        table.add_row(str(t.id), escape(t.lane), escape(t.key), escape(t.tier or ""), escape(t.run_profile or ""),
+                      f"{t.updated_at:%Y-%m-%d %H:%M}", escape(str(summary or "")[:300]))
+    print_table(console, table, wide=wide)
 
 
 @review_app.command("approve")

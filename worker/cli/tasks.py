@@ -7,13 +7,13 @@ from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from worker.cli.context import (
     TASK_REF_HELP,
     JsonOpt,
     KeyLaneOpt,
     TaskRef,
+    WideOpt,
     console,
     emit_json,
     err_console,
@@ -29,6 +29,7 @@ from worker.store.task_input import (
     parse_run_at,
     read_task_lines,
 )
+from worker.tables import Col, FitTable, print_table
 
 
 def _jsonable(model: Any) -> Any:
@@ -113,19 +114,24 @@ def tasks(
     lane: Annotated[str | None, typer.Option(help="only this lane")] = None,
     state: Annotated[str | None, typer.Option(help="queued, running, done, dead or cancelled")] = None,
     limit: Annotated[int, typer.Option(min=1, max=10000)] = 50,
+    wide: WideOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """List tasks, newest first."""
     check_state(state)
-    rows = rt(ctx).store().list_tasks(lane, state, limit)
+    store = rt(ctx).store()
+    store.check_lane(lane)
+    rows = store.list_tasks(lane, state, limit)
     if as_json:
         emit_json([_jsonable(t) for t in rows])
         return
-    table = Table("id", "lane", "key", "state", "prio", "attempts", "fail", "evap", "handoffs", "title")
+    table = FitTable([Col("id", "num"), Col("lane", "key"), Col("key", "key"), Col("state", "key"),
+                      Col("prio", "num", 4), Col("attempts", "num", 2), Col("fail", "num", 3), Col("evap", "num", 5),
+                      Col("handoffs", "num", 4), Col("title", drop=1)], wide=wide)
     for t in rows:
-        table.add_row(str(t.id), t.lane, escape(t.key), t.state, str(t.priority), str(t.attempts),
+        table.add_row(str(t.id), escape(t.lane), escape(t.key), t.state, str(t.priority), str(t.attempts),
                       str(t.failures), str(t.evaporations), str(t.handoffs), escape(t.title or ""))
-    console.print(table)
+    print_table(console, table, wide=wide)
 
 
 def show(ctx: typer.Context, ref: TaskRef, lane: KeyLaneOpt = None, as_json: JsonOpt = False) -> None:
@@ -165,10 +171,10 @@ def show(ctx: typer.Context, ref: TaskRef, lane: KeyLaneOpt = None, as_json: Jso
         for r in runs:
             for line in run_lines(r):
                 console.print(escape(line))
-    table = Table("event", "time", "kind", "detail")
+    events_table = FitTable([Col("event", "num"), Col("time", "key"), Col("kind", "key"), Col("detail")])
     for e in events:
-        table.add_row(str(e.id), e.ts.strftime("%H:%M:%S"), e.kind, escape(json.dumps(e.detail)[:100]))
-    console.print(table)
+        events_table.add_row(str(e.id), e.ts.strftime("%H:%M:%S"), e.kind, escape(json.dumps(e.detail)[:300]))
+    console.print(events_table)
 
 
 _COST_SOURCE = {"reported": "reported by the agent", "computed": "computed from the price table",

@@ -77,10 +77,33 @@ def judge(reading: Reading, code: int, profile: ProfileConfig | None, output_tai
     if transient is not None:
         return Verdict("transient", f"{transient.signal}: {transient.text}"[:2000], transient=transient)
     if code != 0:
-        return Verdict("failed", f"exit code {code}: {output_tail.strip()[-800:]}")
+        return Verdict("failed", f"exit code {code}: {error_message(reading, output_tail)}"[:2000])
     said = reading.error or reading.summary or ""
     return Verdict("failed", f"exit 0, but the agent's end-of-run record says it failed "
                              f"({reading.subtype or 'no subtype'}): {said}"[:2000])
+
+
+def error_message(reading: Reading, output_tail: str, lines: int = 3) -> str:
+    """What the agent said went wrong (a task's ``last_error``; the raw output stays in the run's
+    ``error_tail``): its CLI's own error as the adapter read it from its records, else the last
+    ``lines`` lines of its output that are not JSON records (its stderr: the log holds both
+    streams), else its final message."""
+    if reading.error:
+        return reading.error
+    plain = [line.strip() for line in output_tail.splitlines() if line.strip() and not _json_record(line)]
+    if plain:
+        return "\n".join(plain[-lines:])[-800:]
+    return reading.summary or "the agent printed no error message (its log has the whole output)"
+
+
+def _json_record(line: str) -> bool:
+    stripped = line.strip()
+    if not stripped.startswith("{"):
+        return False
+    try:
+        return isinstance(json.loads(stripped), dict)
+    except ValueError:
+        return False
 
 
 def _transient_text(texts: list[str]) -> Signal | None:

@@ -769,7 +769,7 @@ class Shift:
                               f"the agent {job.agent.argv[0]!r} exited {code} (command not found)", log)
             return
         profile = self.cfg.profiles.get(job.dispatch.profile) if job.dispatch.profile else None
-        verdict = judge(reading, code, profile, tail(job.log_path, 4000), resumed=job.resumed)
+        verdict = judge(reading, code, profile, tail(job.log_path, 4000, whole_lines=True), resumed=job.resumed)
         if verdict.kind == "throttled":
             # never a success, never a spent attempt: the pool pauses, the task waits for the reset
             limit = verdict.limit

@@ -57,3 +57,8 @@ select * from fleet.ready_by_lane();
 -- name: states_with_prefix
 -- Tasks whose key starts with a prefix, counted by state (every state that has one).
 select state, count(*) as n from fleet.tasks where key like %(prefix)s || '%%' group by state;
+
+-- name: summary_with_prefix
+-- lane_summary of the tasks whose key starts with a prefix and of their runs, per lane that has any
+-- (fleet.lane_summary(prefix): `fleet up --demo`'s own run).
+select * from fleet.lane_summary(%(prefix)s);

@@ -6,7 +6,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from worker.errors import InvalidInput, UnknownTask
+from worker.errors import InvalidInput, UnknownLane, UnknownTask
 from worker.models import Event, LaneHandoff, Run, Task
 
 
@@ -89,6 +89,14 @@ class NamedReads:
 
     def lane_names(self) -> list[str]:
         return [str(r["name"]) for r in self.query("list_lanes")]
+
+    def check_lane(self, lane: str | None) -> None:
+        """UnknownLane for a lane that fleet.lanes lacks (a filter on it would just show nothing)."""
+        if lane is None:
+            return
+        names = self.lane_names()
+        if lane not in names:
+            raise UnknownLane(f"unknown lane {lane!r}", "known lanes: " + (", ".join(names) or "none"))
 
     def pools(self) -> list[dict[str, Any]]:
         """Every capacity pool: name, slots, throttled_until, throttle_note, throttled_by."""

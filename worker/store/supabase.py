@@ -458,6 +458,8 @@ class SupabaseStore(NamedReads):
                               .eq("state", "active").eq("host", params["host"]))
         if name in ("ready_by_lane", "lane_summary"):
             return [_times(dict(r)) for r in self._rpc(name, {}) or []]
+        if name == "summary_with_prefix":
+            return [_times(dict(r)) for r in self._rpc("lane_summary", {"p_key_prefix": params["prefix"]}) or []]
         if name == "states_with_prefix":
             found = self._rows(name, lambda c: c.table("tasks").select("state").like("key", str(params["prefix"]) + "*"))
             return [{"state": st, "n": n} for st, n in sorted(Counter(r["state"] for r in found).items())]
