@@ -79,11 +79,11 @@ MISTAKES = [
     Mistake("up-unreachable", ["up"], [f"cannot connect to the database {UNREACHABLE} (DATABASE_URL)",
                                        "Connection refused"], env={"DATABASE_URL": UNREACHABLE}),
     Mistake("up-demo-unreachable", ["up", "--demo"], [f"cannot connect to the database {UNREACHABLE} (DATABASE_URL)"],
-            env={"DATABASE_URL": UNREACHABLE}),
+            env={"DATABASE_URL": UNREACHABLE}, config="demo.toml"),
     Mistake("up-no-such-database", ["up"], ["cannot connect to the database {nodb} (DATABASE_URL)",
                                             "does not exist"], env={"DATABASE_URL": "{nodb}"}),
     Mistake("up-demo-no-such-database", ["up", "--demo"], ["{nodb} (DATABASE_URL)", "does not exist"],
-            env={"DATABASE_URL": "{nodb}"}),
+            env={"DATABASE_URL": "{nodb}"}, config="demo.toml"),
     Mistake("migrate-no-such-database", ["migrate"], ["{nodb} (DATABASE_URL)", "does not exist"],
             env={"DATABASE_URL": "{nodb}"}),
     Mistake("tasks-not-a-url", ["tasks"], ["DATABASE_URL: 'notaurl' is not a database URL"],
@@ -182,6 +182,9 @@ def runs(pg_server: str, template_db: str, tmp_path_factory: pytest.TempPathFact
         for case in MISTAKES:
             home = tmp_path_factory.mktemp(case.id)
             (home / "fleet.toml").write_text(DOCS)
+            # the demo's lanes (else `up --demo` refuses the config before it looks for the database)
+            (home / "demo.toml").write_text(DOCS + "".join(DOCS.replace("docs", lane).split("\n", 1)[0] + "\n"
+                                                           + DOCS.split("\n", 1)[1] for lane in ("bugfix", "review")))
             (home / "with-url.toml").write_text(f'[database]\nurl = "{UNREACHABLE}"\n' + DOCS)
             (home / "typo.toml").write_text(DOCS + "max_runing = 2\n")
             (home / "section-typo.toml").write_text("[fleeet]\nworkspaces = 'x'\n" + DOCS)

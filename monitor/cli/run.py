@@ -251,7 +251,7 @@ def up(
     # calls fail within seconds while the database restarts: the loop below waits it out
     store = r.store(call_budget=UP_CALL_BUDGET)
     console.print(f"{r.database[:1].upper()}{r.database[1:]} is ready; {len(result.applied)} migration(s) applied; "
-                  f"lanes: {', '.join(sorted(r.cfg.lanes))}", highlight=False, soft_wrap=True)
+                  f"lanes: {', '.join(sorted(r.cfg.lanes))}", highlight=False)  # (wrapped at the width)
     prefix = None
     if demo:
         prefix = queue_demo(store, r.cfg.lanes)
