@@ -158,6 +158,9 @@ def fleet_home(tmp_path: Path, db_url: str) -> dict[str, Any]:
     """A fleet.toml with long names, synced, and a history: done, failed, dead, running, stuck,
     repaired, blocked, in review, a throttled pool, workspaces on disk and a batch."""
     (tmp_path / "fleet.toml").write_text(FLEET_TOML)
+    for lane in (UPGRADES, REVIEW):  # (the preflight of `lanes sync` pauses a lane without them)
+        (tmp_path / "lane_instructions").mkdir(exist_ok=True)
+        (tmp_path / "lane_instructions" / f"{lane}.md").write_text(f"# {lane}\n")
     world: dict[str, Any] = {"home": tmp_path, "url": db_url}
     ok(fleet(world, 120, "lanes", "sync"))
     big = {"input_tokens": 195_000, "cache_creation_tokens": 48_000, "cache_read_tokens": 1_250_000,
