@@ -1,6 +1,7 @@
 """The ``fleet`` command: the monitor side composes the whole app (it may import the worker), and
 this module alone registers the command modules of ``worker/cli/`` and ``monitor/cli/``, in the
-order ``fleet --help`` lists them.
+order ``fleet --help`` lists them. The command modules import what their commands do inside the
+commands (the rule is in :mod:`worker.cli`): ``fleet --help`` loads typer and rich, no driver.
 
 Errors lanefleet raises on purpose (:class:`FleetError`) and usage errors (a bad option value, a
 missing argument, an unknown command) end the command with one line on stderr and exit code 1,

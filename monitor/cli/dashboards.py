@@ -13,21 +13,7 @@ from rich.console import Group, RenderableType
 from rich.live import Live
 from rich.text import Text
 
-from monitor.dashboards.reads import (
-    VIEW_DAYS,
-    dump,
-    reading,
-    report_data,
-    require_postgres,
-    roll_up,
-    snapshot_data,
-    stats_data,
-    status_data,
-)
-from monitor.dashboards.report import check_out, render_report, write_report
-from monitor.dashboards.terminal import render_stats, render_status
 from worker.cli.context import JsonOpt, WideOpt, console, rt
-from worker.config import flag_duration
 from worker.errors import FleetError, InvalidInput
 from worker.tables import print_table
 
@@ -44,6 +30,10 @@ def status(
     as_json: JsonOpt = False,
 ) -> None:
     """The fleet at a glance: lanes, stuck tasks, active shifts, recent repairs."""
+    from monitor.dashboards.reads import dump, reading, require_postgres, roll_up, status_data
+    from monitor.dashboards.terminal import render_status
+    from worker.config import flag_duration
+
     every = flag_duration(interval, "--interval")
     if watch and as_json:
         raise InvalidInput("--watch and --json exclude each other (use `fleet snapshot` in a loop)")
@@ -102,6 +92,17 @@ def stats(
     as_json: JsonOpt = False,
 ) -> None:
     """Usage and cost per lane and day, and the cohort figures of the tasks queued in the window."""
+    from monitor.dashboards.reads import (
+        VIEW_DAYS,
+        dump,
+        reading,
+        require_postgres,
+        roll_up,
+        stats_data,
+    )
+    from monitor.dashboards.terminal import render_stats
+    from worker.config import flag_duration
+
     seconds = flag_duration(since, "--since")
     if seconds > VIEW_DAYS * 86400:
         raise InvalidInput(f"--since {since}: at most {VIEW_DAYS}d (usage_by_lane_day keeps the last "
@@ -124,6 +125,16 @@ def snapshot(
     pretty: Annotated[bool, typer.Option("--pretty", help="indent the JSON (default: one line, for a log)")] = False,
 ) -> None:
     """One JSON document of every dashboard (one line: append it to a log daily)."""
+    from monitor.dashboards.reads import (
+        VIEW_DAYS,
+        dump,
+        reading,
+        require_postgres,
+        roll_up,
+        snapshot_data,
+    )
+    from worker.config import flag_duration
+
     seconds = flag_duration(since, "--since")
     if seconds > VIEW_DAYS * 86400:
         raise InvalidInput(f"--since {since}: at most {VIEW_DAYS}d (the views keep the last {VIEW_DAYS} days)")
@@ -141,6 +152,10 @@ def report(
     lane: LaneOpt = None,
 ) -> None:
     """A self-contained HTML report with charts (no network needed to view it)."""
+    from monitor.dashboards.reads import reading, report_data, require_postgres, roll_up
+    from monitor.dashboards.report import check_out, render_report, write_report
+    from worker.config import flag_duration
+
     seconds = flag_duration(since, "--since")
     check_out(out)  # before anything is read or rolled up
     store = require_postgres(rt(ctx).store())

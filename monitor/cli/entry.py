@@ -1,7 +1,7 @@
 """The ``fleet`` console script. ``fleet guard`` and ``fleet checkpoint``, which agents call inside
-their work, run from :mod:`worker.cli.agent_calls` without importing the rest of the app (its
-start-up is most of a second; theirs tens of milliseconds: ``bench/startup.py``); every other
-command is :mod:`monitor.cli.app`."""
+their work, run from :mod:`worker.cli.agent_calls` without importing the rest of the app (typer and
+rich alone take a few tenths of a second to start; they, tens of milliseconds: ``bench/startup.py``);
+every other command is :mod:`monitor.cli.app`."""
 
 from __future__ import annotations
 

@@ -12,30 +12,21 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich import box
 from rich.live import Live
 from rich.markup import escape
 
-from monitor.dev.demo import (
-    check_demo_lanes,
-    demo_ending,
-    demo_finished,
-    demo_states,
-    demo_summary,
-    queue_demo,
-)
-from monitor.host import ShiftLauncher, crontab_lines, shift_env
-from monitor.outage import Outage
-from monitor.reconcile import monitor_pass
 from worker.cli.context import JsonOpt, console, err_console, rt
-from worker.config import env_settings, flag_duration
 from worker.errors import DatabaseUnavailable, FleetError, InvalidInput, LaneRetired
-from worker.models import TASK_STATES, RepairAction
-from worker.runtime import Runtime
 from worker.tables import Col, FitTable, fmt_cost, fmt_num
+
+if TYPE_CHECKING:
+    from monitor.host import ShiftLauncher
+    from worker.models import RepairAction
+    from worker.runtime import Runtime
 
 
 def actions_table(actions: list[RepairAction]) -> FitTable:
@@ -60,6 +51,9 @@ def monitor(
     as_json: JsonOpt = False,
 ) -> None:
     """Repair evaporated claims and report stalls and idle capacity (one pass, or --every)."""
+    from monitor.reconcile import monitor_pass
+    from worker.config import flag_duration
+
     interval = flag_duration(every, "--every") if every is not None else None
     if once and interval:
         raise InvalidInput("--once and --every exclude each other")
@@ -103,7 +97,9 @@ def run(
     from apscheduler.schedulers.background import BackgroundScheduler
     from apscheduler.triggers.interval import IntervalTrigger
 
-    from worker.config import cron_trigger
+    from monitor.host import ShiftLauncher, shift_env
+    from monitor.reconcile import monitor_pass
+    from worker.config import cron_trigger, flag_duration
     from worker.logs import configure_logging
 
     r = rt(ctx)
@@ -157,6 +153,9 @@ def crontab(
     lock_dir: Annotated[Path | None, typer.Option(help="where lock and log files go (default: <home>/cron)")] = None,
 ) -> None:
     """Print system crontab lines equivalent to fleet run (absolute paths, flock overlap guards)."""
+    from monitor.host import crontab_lines
+    from worker.config import env_settings
+
     r = rt(ctx)
     fleet_bin = shutil.which("fleet") or str(Path(sys.executable).with_name("fleet"))
     folder = (lock_dir or r.cfg.path(r.cfg.fleet.home) / "cron").resolve()
@@ -184,6 +183,8 @@ def _invocation() -> str:
 def summary_table(rows: list[dict[str, Any]], title: str) -> FitTable:
     """fleet.lane_summary() as a table: the tasks of each lane by state (every state that has any,
     in the order a task goes through them), what they cost."""
+    from worker.models import TASK_STATES
+
     table = FitTable([Col("lane", "key"), Col("tasks", min_width=14), Col("retries", "num", 2),
                       Col("hand-offs", "num", 1), Col("tokens", "num"), Col("cost", "num")],
                      title=title, table_box=box.SIMPLE_HEAD, hint=None)
@@ -230,6 +231,17 @@ def up(
     """The main job: start (or reuse) the database, migrate, sync lanes, run every lane's shifts and the monitor."""
     import logging
 
+    from monitor.dev.demo import (
+        check_demo_lanes,
+        demo_ending,
+        demo_finished,
+        demo_states,
+        demo_summary,
+        queue_demo,
+    )
+    from monitor.host import ShiftLauncher, shift_env
+    from monitor.outage import Outage
+    from monitor.reconcile import monitor_pass
     from worker.logs import configure_logging
 
     # lanefleet's own warnings and errors only: the live table is the progress report

@@ -15,7 +15,6 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from monitor.dashboards.reads import jsonable
 from worker.cli.context import JsonOpt, WideOpt, console, rt
 from worker.tables import Col, FitTable, human_bytes, print_table
 
@@ -32,6 +31,8 @@ def workspaces(
     as_json: JsonOpt = False,
 ) -> None:
     """Disk use of task workspaces per lane and host, and what the monitor reaps next."""
+    from monitor.dashboards.reads import jsonable
+
     store = rt(ctx).store()
     store.check_lane(lane)
     rows = [r for r in store.workspace_usage()

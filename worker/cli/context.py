@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 
-from worker.runtime import Runtime
+if TYPE_CHECKING:
+    from worker.runtime import Runtime
 
 console = Console()
 err_console = Console(stderr=True)
@@ -49,11 +50,17 @@ VersionOpt = Annotated[bool, typer.Option("--version", callback=_print_version, 
 
 def root_callback(ctx: typer.Context, config: ConfigOpt = None, show_version: VersionOpt = False) -> None:
     """lanefleet: a Postgres-backed, multi-lane task queue for fleets of agent workers."""
+    # imported here, as every command module imports what its commands need: `fleet --help` runs
+    # no command and imports none of it (psycopg, pydantic, ...: bench/startup.py)
+    from worker.runtime import Runtime
+
     ctx.obj = Runtime(config)
     ctx.call_on_close(ctx.obj.close)
 
 
 def rt(ctx: typer.Context) -> Runtime:
+    from worker.runtime import Runtime
+
     obj = ctx.find_root().obj
     assert isinstance(obj, Runtime)
     return obj

@@ -9,11 +9,6 @@ from typing import Annotated
 
 import typer
 
-from worker.dev import devstack
-from worker.runtime import Runtime
-from worker.store.postgres import PostgresStore
-from worker.store.sync import sync_config
-
 app = typer.Typer(no_args_is_help=True,
                   help="A local Supabase-compatible stack (PostgreSQL + PostgREST 12 + a /rest/v1 gateway).")
 
@@ -21,6 +16,8 @@ HomeOpt = Annotated[Path | None, typer.Option("--home", help="where the stack li
 
 
 def _home(ctx: typer.Context, home: Path | None) -> tuple[Path, Path]:
+    from worker.runtime import Runtime
+
     obj = ctx.find_root().obj
     fleet_home = obj.cfg.path(obj.cfg.fleet.home) if isinstance(obj, Runtime) else Path(".fleet")
     return (home or fleet_home / "dev-stack"), fleet_home / "cache"
@@ -34,6 +31,11 @@ def up_command(
     sync: Annotated[bool, typer.Option(help="also sync the config's lanes into the stack")] = True,
 ) -> None:
     """Start the stack (or find it running), apply the migrations, sync lanes; print where its env is."""
+    from worker.dev import devstack
+    from worker.runtime import Runtime
+    from worker.store.postgres import PostgresStore
+    from worker.store.sync import sync_config
+
     where, cache = _home(ctx, home)
     stack = devstack.up(where, cache=cache, fresh=fresh)
     obj = ctx.find_root().obj
@@ -52,6 +54,8 @@ def down_command(
     purge: Annotated[bool, typer.Option("--purge", help="also delete the stack's data")] = False,
 ) -> None:
     """Stop the stack's processes (by their recorded pids)."""
+    from worker.dev import devstack
+
     where, _ = _home(ctx, home)
     print("stopped" if devstack.down(where, purge=purge) else "no stack there")
 
@@ -63,6 +67,8 @@ def env_command(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Print the stack's environment as export lines (eval "$(fleet dev-stack env)")."""
+    from worker.dev import devstack
+
     where, _ = _home(ctx, home)
     stack = devstack.DevStack.load(where.resolve())
     if stack is None:

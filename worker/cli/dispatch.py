@@ -10,9 +10,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from worker.agent.executor import render_argv
 from worker.cli.context import JsonTablesOpt, WideOpt, console, emit_json, rt
-from worker.shift.dispatch import SAMPLE_VALUES, resolved
 from worker.tables import Col, FitTable, print_table
 
 pools_app = typer.Typer(no_args_is_help=True, help="Capacity pools: their slots and throttles, and lifting a throttle.")
@@ -20,6 +18,9 @@ pools_app = typer.Typer(no_args_is_help=True, help="Capacity pools: their slots 
 
 def profiles(ctx: typer.Context, wide: WideOpt = False, as_json: JsonTablesOpt = False) -> None:
     """Every dispatch profile and each lane's dispatch (pool → profile → agent → tier → model → argv)."""
+    from worker.agent.executor import render_argv
+    from worker.shift.dispatch import SAMPLE_VALUES, resolved
+
     data = resolved(rt(ctx).cfg)
     if as_json:
         emit_json(data)

@@ -8,9 +8,7 @@ from typing import Annotated
 
 import typer
 
-from worker.config import flag_duration
 from worker.errors import InvalidInput
-from worker.store.keys import describe_key, jwt_secret, mint_key
 
 app = typer.Typer(no_args_is_help=True, help="Keys: mint lane-scoped JWTs for hosts that use Supabase's API.")
 
@@ -24,6 +22,9 @@ def mint(
     as_json: Annotated[bool, typer.Option("--json", help="print the key and its claims as JSON")] = False,
 ) -> None:
     """Mint a key from the JWT secret in SUPABASE_JWT_SECRET (or FLEET_JWT_SECRET). Printed once, kept nowhere."""
+    from worker.config import flag_duration
+    from worker.store.keys import describe_key, jwt_secret, mint_key
+
     seconds = flag_duration(ttl, "--ttl")
     key = mint_key(jwt_secret(), role, lanes, seconds, subject=subject)
     if as_json:
@@ -41,6 +42,8 @@ def inspect(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Show a key's role, lanes and expiry (and check its signature if the secret is in the environment)."""
+    from worker.store.keys import describe_key
+
     text = key if key is not None else sys.stdin.read()
     if not text.strip():
         raise InvalidInput("no key given (pass it as an argument or on stdin)")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -20,16 +20,10 @@ from worker.cli.context import (
     rt,
 )
 from worker.errors import InvalidInput
-from worker.models import Run
-from worker.store.reads import KEY_PREFIX
-from worker.store.task_input import (
-    check_state,
-    enqueue_lines,
-    parse_payload,
-    parse_run_at,
-    read_task_lines,
-)
 from worker.tables import Col, FitTable, print_table
+
+if TYPE_CHECKING:
+    from worker.models import Run
 
 
 def _jsonable(model: Any) -> Any:
@@ -61,6 +55,9 @@ def enqueue(
     When the key already names a task in the lane, prints that task's id and says so; with --from,
     prints how many were created and how many already existed. Keys are per lane: the same key in
     another lane is another task."""
+    from worker.store.reads import KEY_PREFIX
+    from worker.store.task_input import enqueue_lines, parse_payload, parse_run_at, read_task_lines
+
     if lane is not None and lane_option is not None and lane != lane_option:
         raise InvalidInput(f"two lanes given: {lane!r} and --lane {lane_option!r}")
     lane = lane if lane is not None else lane_option
@@ -118,6 +115,8 @@ def tasks(
     as_json: JsonOpt = False,
 ) -> None:
     """List tasks, newest first."""
+    from worker.store.task_input import check_state
+
     check_state(state)
     store = rt(ctx).store()
     store.check_lane(lane)
