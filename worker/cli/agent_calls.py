@@ -2,10 +2,10 @@
 
 An agent pays their start-up for every guarded command and every checkpoint, so they are parsed
 here with :mod:`argparse` and run without typer, rich, pydantic or a database driver: tens of
-milliseconds instead of the app's few tenths of a second (``bench/startup.py``). ``monitor.cli.entry`` sends them
-here before it imports the rest of the app; the app's ``guard`` and ``checkpoint`` commands (which
-``fleet --help`` lists) pass their arguments on to the same parsers, so each option has one
-definition. A wrong argument is one line on stderr and exit 1, as for every command.
+milliseconds instead of the app's few tenths of a second (``bench/startup.py``).
+``monitor.cli.entry`` sends them here before it imports the rest of the app; the app's ``guard``
+and ``checkpoint`` commands (which ``fleet --help`` lists) pass their arguments on to the same
+parsers, so each option has one definition. A wrong argument is one line on stderr and exit 1, as for every command.
 """
 
 from __future__ import annotations
