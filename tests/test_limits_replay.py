@@ -67,6 +67,20 @@ def test_a_success_that_mentions_rate_limiting_is_done(backend: Backend, tmp_pat
         fleet.close()
 
 
+def test_a_failed_run_whose_agent_quotes_limit_reached_is_a_failure_not_a_limit(replay_fleet) -> None:
+    # Claude Code 2.0.27 (link-assistant/hive-mind): the agent's messages and summary quote the code
+    # it worked on ("⚠️  Limit reached: 200 applications in 24 hours"); replayed with exit code 1
+    sample = "claude/stream-json-task-subagent-two-models-2.0.27.jsonl"
+    assert "Limit reached" in (CORPUS / sample).read_text()
+    fleet = replay_fleet(sample, 1)
+    task = fleet.enqueue("work", "quotes", {})
+    fleet.run_shift("work", max_tasks=1, once=True)
+    run = fleet.runs(task)[0]
+    assert (run["outcome"], fleet.task(task)["failures"]) == ("failed", 1), run
+    assert fleet.sql("select count(*) as n from fleet.events where kind = 'throttled'")[0]["n"] == 0
+    assert fleet.sql("select count(*) as n from fleet.pools where throttled_until is not null")[0]["n"] == 0
+
+
 def test_a_rejected_rate_limit_event_throttles_until_its_reset(replay_fleet) -> None:
     sample = "claude/stream-json-session-limit-rejected-429-2.1.220.jsonl"
     fleet = replay_fleet(sample, 1)

@@ -6,8 +6,11 @@ structured records — and falls back to text only for a run that did not succee
 
 - **Usage limits** (:func:`usage_limit`): the adapter's limit signal (Claude Code's
   ``rate_limit_event`` with status ``rejected``, Codex's ``turn.failed``, an HTTP 429 …), else
-  an exit code the profile lists or one of its patterns in the run's final message or the tail of
-  its output (never in a ``rate_limit_event`` record: ordinary sessions carry them too).
+  an exit code the profile lists or one of its patterns in the CLI's own words: its error, and the
+  tail of its output — for a CLI whose records the adapter read, the lines that are not records
+  (the agent's summary and messages quote whatever the code they worked on says, "Limit reached"
+  included), else the final message and the whole tail (never a ``rate_limit_event`` record:
+  ordinary sessions carry them too).
   :func:`reset_time` reads the reset the message names (an epoch after ``|``, an ISO time, "resets
   3pm (Europe/Berlin)", "resets Oct 31, 9am", "try again at 12:16 PM", "try again in 5 days 22
   hours", "retry after 120", "on 2026-04-01 at 00:00 UTC"). A reset in the past, or further ahead
@@ -68,8 +71,15 @@ def judge(reading: Reading, code: int, profile: ProfileConfig | None, output_tai
         return Verdict("done")
     if resumed and reading.session_missing is not None:
         return Verdict("session_dropped", reading.session_missing.text)
-    texts = [t for t in (reading.error, reading.summary) if t]
-    limit = usage_limit(profile, code, "\n".join(texts) or None, output_tail, structured=reading.limit, now=now)
+    # the CLI's own words only: its error, and what it printed that is not one of its records. Where
+    # the adapter read the stream (an end-of-run record), the records are its to judge: the agent's
+    # summary and its messages may well quote "limit reached" from the code it worked on
+    if reading.final:
+        output_tail = "\n".join(line for line in output_tail.splitlines() if not _json_record(line))
+        final_text = reading.error
+    else:
+        final_text = "\n".join(t for t in (reading.error, reading.summary) if t) or None
+    limit = usage_limit(profile, code, final_text, output_tail, structured=reading.limit, now=now)
     if limit is not None:
         return Verdict("throttled", limit.note, limit=limit)
     # the CLI's own error text only: an agent's summary may well talk about a server being overloaded
