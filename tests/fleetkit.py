@@ -279,3 +279,16 @@ def alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
+
+
+def one_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The one error line of a failed command (asserting exit 1, no traceback, nothing on stdout):
+    what every user or environment mistake must come to."""
+    report = f"rc={result.returncode}\nstdout={result.stdout!r}\nstderr={result.stderr!r}"
+    assert result.returncode == 1, report
+    assert "Traceback" not in result.stderr, report
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, report
+    assert lines[0].startswith("error: "), report
+    assert result.stdout == "", report
+    return lines[0]

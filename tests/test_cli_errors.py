@@ -22,6 +22,7 @@ import psycopg
 import pytest
 import typer
 from conftest import create_database, drop_database
+from fleetkit import one_line
 from psycopg.conninfo import make_conninfo
 from rich.text import Text
 from typer.testing import CliRunner
@@ -44,18 +45,6 @@ def env_without_fleet(**extra: str) -> dict[str, str]:
 def fleet(*args: str, cwd: Path, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "monitor.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
-
-
-def one_line(result: subprocess.CompletedProcess[str]) -> str:
-    """The one error line of a failed command (asserting exit 1, no traceback, nothing on stdout)."""
-    report = f"rc={result.returncode}\nstdout={result.stdout!r}\nstderr={result.stderr!r}"
-    assert result.returncode == 1, report
-    assert "Traceback" not in result.stderr, report
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, report
-    assert lines[0].startswith("error: "), report
-    assert result.stdout == "", report
-    return lines[0]
 
 
 # ------------------------------------------------------------------------------------------------

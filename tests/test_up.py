@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from fleetkit import one_line
 
 from worker.db.embedded import running_url, stop_embedded
 from worker.db.uplock import UpLock, UpRunning, holder
@@ -130,13 +131,6 @@ def fleet(project: Path, *args: str, timeout: float = 120) -> subprocess.Complet
                           capture_output=True, text=True, timeout=timeout)
 
 
-def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    return lines[0]
-
-
 def state_of(project: Path, key: str) -> str | None:
     url = running_url((project / ".fleet" / "pgdata").resolve())
     if url is None:
@@ -162,11 +156,11 @@ def test_one_fleet_up_per_directory_db_stop_refuses_and_up_survives_a_restart(pr
         assert str(pgdata) in out.read_text()
 
         # a second `fleet up` in the directory: one line naming the first, exit 1, nothing started
-        second = one_line_error(fleet(project, "up"))
+        second = one_line(fleet(project, "up"))
         assert "another `fleet up` runs" in second and f"pid {up.pid}" in second, second
 
         # `fleet db stop` while it runs: refused, naming the database and who uses it
-        refused = one_line_error(fleet(project, "db", "stop"))
+        refused = one_line(fleet(project, "db", "stop"))
         assert "is in use" in refused and str(pgdata) in refused and f"`fleet up` (pid {up.pid}" in refused, refused
         assert "lanefleet up" in refused and "--force" in refused, refused
         assert running_url(pgdata) is not None
