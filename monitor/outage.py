@@ -1,4 +1,4 @@
-"""``fleet up`` through a restart of its database: say so once, retry with backoff, go on.
+"""``fleet up`` and ``fleet run`` through a restart of their database: say so once, retry, go on.
 
 The loop of ``fleet up`` reads the queue, runs monitor passes and redraws its table; while the
 server restarts (``fleet db stop --force`` and the next command, a crash, a maintenance restart)
@@ -20,7 +20,7 @@ MAX_WAIT = 5.0
 
 @dataclass
 class Outage:
-    where: str  # the database, for the messages (Runtime.where)
+    where: str  # the database, for the messages (Runtime.database)
     say: Callable[[str], None]
     since: float | None = None  # monotonic time of the first failure of this outage
     wait: float = FIRST_WAIT
@@ -45,3 +45,17 @@ class Outage:
         if self.since is not None:
             self.say(f"database back after {time.monotonic() - self.since:.0f}s ({self.where})")
             self.since = None
+
+    def attempt(self, call: Callable[[], object]) -> bool:
+        """Run one pass of work that talks to the database (``fleet run``'s monitor job): False when
+        the database did not answer (said once per outage; the next pass tries again)."""
+        from worker.errors import DatabaseUnavailable
+
+        try:
+            call()
+        except DatabaseUnavailable as exc:
+            self.failed(exc)
+            return False
+        self.answered()
+        return True
+

@@ -197,3 +197,29 @@ def test_one_fleet_up_per_directory_db_stop_refuses_and_up_survives_a_restart(pr
     stopped = fleet(project, "db", "stop")
     assert stopped.returncode == 0 and stopped.stdout.strip() == f"stopped: the embedded database in {pgdata}", \
         stopped.stderr
+
+
+def test_a_monitor_pass_on_a_database_that_does_not_answer_is_said_once_and_tried_again(db_url: str) -> None:
+    """`fleet run`'s monitor job (monitor.outage.Outage.attempt) on a real store whose server is
+    gone: no exception out of the job, one line for the outage, one when it answers again."""
+    from monitor.outage import Outage
+    from monitor.reconcile import monitor_pass
+    from worker.config import load_config
+    from worker.store.postgres import PostgresStore
+
+    cfg = load_config(None, environ={})
+    said: list[str] = []
+    outage = Outage("the database on 127.0.0.1:1", said.append)
+    gone = PostgresStore("postgresql://postgres@127.0.0.1:1/fleet", call_budget=2.0)
+    try:
+        assert outage.attempt(lambda: monitor_pass(gone, cfg)) is False
+        assert outage.attempt(lambda: monitor_pass(gone, cfg)) is False
+    finally:
+        gone.close()
+    assert len(said) == 1 and said[0].startswith("database restarting, reconnecting (the database on 127.0.0.1:1: ")
+    back = PostgresStore(db_url)
+    try:
+        assert outage.attempt(lambda: monitor_pass(back, cfg)) is True
+    finally:
+        back.close()
+    assert len(said) == 2 and said[1].startswith("database back after ")

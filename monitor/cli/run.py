@@ -98,6 +98,7 @@ def run(
     from apscheduler.triggers.interval import IntervalTrigger
 
     from monitor.host import ShiftLauncher, shift_env
+    from monitor.outage import Outage
     from monitor.reconcile import monitor_pass
     from worker.config import cron_trigger, flag_duration
     from worker.logs import configure_logging
@@ -108,7 +109,8 @@ def run(
     chosen = lanes or sorted(r.cfg.lanes)
     for name in chosen:
         r.cfg.lane(name)
-    store = r.store()
+    # calls fail within seconds while the database restarts: the monitor job waits it out
+    store = r.store(call_budget=CALL_BUDGET)
     # a lane whose config is wrong on this host is paused with the reason (its shifts claim nothing);
     # a retired one gets no shifts
     for name, why in r.preflight(chosen).items():
@@ -131,8 +133,10 @@ def run(
             scheduler.add_job(launcher.launch, cron_trigger(lane.cron), args=[name], id=f"shift-{name}",
                               max_instances=1, coalesce=True, misfire_grace_time=30)
             scheduled.append(name)
-    scheduler.add_job(lambda: monitor_pass(store, r.cfg), IntervalTrigger(seconds=r.cfg.fleet.monitor_every),
-                      id="monitor", max_instances=1, coalesce=True)
+    # a restart of the database: said once, and the next pass tries again (monitor.outage)
+    outage = Outage(r.database, lambda line: console.print(line, highlight=False, soft_wrap=True))
+    scheduler.add_job(lambda: outage.attempt(lambda: monitor_pass(store, r.cfg)),
+                      IntervalTrigger(seconds=r.cfg.fleet.monitor_every), id="monitor", max_instances=1, coalesce=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -143,7 +147,7 @@ def run(
     # wait for a job under way: a launch finishing after stop_all() would leave its shift behind
     scheduler.shutdown(wait=True)
     launcher.stop_all()
-    monitor_pass(store, r.cfg)
+    outage.attempt(lambda: monitor_pass(store, r.cfg))
     # plain print: rich would wrap a long line at the console width and break the JSON
     print(json.dumps({"launched": launcher.launched, "max_concurrent": launcher.max_seen}), flush=True)
 
@@ -195,9 +199,9 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> FitTable:
     return table
 
 
-#: the most seconds one database call of `fleet up` may take (retries included) before its loop
-#: reports the database restarting and tries again later
-UP_CALL_BUDGET = 5.0
+#: the most seconds one database call of `fleet up` or `fleet run` may take (retries included) before
+#: its loop (its monitor job) reports the database restarting and tries again later
+CALL_BUDGET = 5.0
 
 
 def hold_up_lock(ctx: typer.Context, r: Runtime) -> None:
@@ -261,7 +265,7 @@ def up(
         if why is not None and synced.get(name) != "retired":
             paused_warning(name, why)
     # calls fail within seconds while the database restarts: the loop below waits it out
-    store = r.store(call_budget=UP_CALL_BUDGET)
+    store = r.store(call_budget=CALL_BUDGET)
     console.print(f"{r.database[:1].upper()}{r.database[1:]} is ready; {len(result.applied)} migration(s) applied; "
                   f"lanes: {', '.join(sorted(r.cfg.lanes))}", highlight=False)  # (wrapped at the width)
     prefix = None
