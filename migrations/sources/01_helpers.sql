@@ -27,6 +27,20 @@ $$;
 revoke all on function fleet._event(text,text,bigint,uuid,jsonb) from public;
 grant execute on function fleet._event(text,text,bigint,uuid,jsonb) to service_role;
 
+-- The hint of an unknown lane: the lanes that exist and take tasks, of those the caller's key may
+-- work (a lane-scoped key never learns the names of the others).
+create or replace function fleet._lanes_hint()
+returns text
+language sql
+stable
+as $$
+    select 'known lanes: ' || coalesce((select string_agg(name, ', ' order by name) from fleet.lanes
+                                         where fleet._lane_allowed(name) and retired_at is null), 'none')
+           || '; run `fleet lanes sync` after adding it to fleet.toml';
+$$;
+revoke all on function fleet._lanes_hint() from public;
+grant execute on function fleet._lanes_hint() to service_role;
+
 -- The lane row, or LF002 naming the lanes that do exist (those the caller's key may work: a
 -- lane-scoped key never learns the names of the others), or LF009 for a retired lane: what takes a
 -- lane by name (enqueue, route, open_session, batch_create, retry) refuses a retired one. The row
@@ -42,10 +56,7 @@ declare
 begin
     select * into l from fleet.lanes where name = p_lane for key share;
     if not found then
-        perform fleet._raise('LF002', format('unknown lane %L', p_lane),
-            'known lanes: ' || coalesce((select string_agg(name, ', ' order by name) from fleet.lanes
-                                          where fleet._lane_allowed(name) and retired_at is null), 'none')
-            || '; run `fleet lanes sync` after adding it to fleet.toml');
+        perform fleet._raise('LF002', format('unknown lane %L', p_lane), fleet._lanes_hint());
     end if;
     if l.retired_at is not null then
         perform fleet._raise('LF009', format('lane %s is retired (since %s): it takes no tasks', p_lane,

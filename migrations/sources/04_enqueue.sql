@@ -322,8 +322,7 @@ begin
             perform fleet._raise('LF005', v_where || 'task key must be 1 to 200 characters');
         when 'lane_unknown' then
             perform fleet._raise('LF002', v_where || format('unknown lane %L', left(v_bad.lane, 100)),
-                'known lanes: ' || coalesce((select string_agg(name, ', ' order by name) from fleet.lanes), 'none')
-                || '; run `fleet lanes sync` after adding it to fleet.toml');
+                fleet._lanes_hint());
         when 'lane_retired' then
             perform fleet._raise('LF009', v_where || format('lane %s is retired: it takes no tasks', v_bad.lane),
                 format('`fleet lanes unretire %s` brings it back', v_bad.lane));

@@ -261,3 +261,24 @@ def test_enqueue_many_refuses_a_retired_lane_naming_the_element(conn) -> None:
             (Jsonb([{"key": "fine"}, {"key": "late", "lane": "old"}]),))
     assert str(err.value).startswith("p_tasks[1] (key 'late'): lane old is retired")
     assert one(conn, "select count(*) from fleet.tasks") == 0
+
+
+def test_an_unknown_lanes_hint_names_only_lanes_that_take_tasks_and_the_key_may_work(conn) -> None:
+    """One hint (fleet._lanes_hint) for every way in: enqueue and enqueue_many alike leave out a
+    retired lane, and a key limited to some lanes learns of no other (its claim may name a lane
+    that does not exist: that one is unknown, and the hint lists only its own)."""
+    for name in ("old", "new", "secret"):
+        sync_lane(conn, name)
+    assert one(conn, "select fleet.retire_lane('old')") == "retired"
+    calls = [lambda lane: enqueue(conn, lane, "x"),
+             lambda lane: one(conn, "select count(*) from fleet.enqueue_many(null, %s)",
+                              (Jsonb([{"key": "x", "lane": lane}]),))]
+    for call in calls:
+        with refused(UNKNOWN_LANE) as err:
+            call("nope")
+        assert err.value.diag.message_hint.startswith("known lanes: new, secret;"), err.value.diag.message_hint
+        with as_key(conn, "fleet_worker", {"role": "fleet_worker", "fleet_lanes": ["new", "planned"]}), \
+                refused(UNKNOWN_LANE) as err:
+            call("planned")
+        assert err.value.diag.message_hint.startswith("known lanes: new;"), err.value.diag.message_hint
+    assert one(conn, "select count(*) from fleet.tasks") == 0
