@@ -42,3 +42,14 @@ def test_fleet_help_imports_no_driver_config_or_logging(argv: list[str]) -> None
     # the whole app was listed: a command of each side, and the agents' commands
     for command in ("enqueue", "shift", "lanes", "dev-stack", "guard", "status", "up", "workspaces"):
         assert f" {command} " in helptext, (command, helptext)
+
+
+@pytest.mark.parametrize("argv", [["fleet", "tasks", "--help"], ["fleet", "lanes", "sync", "--help"],
+                                  ["fleet", "up", "--help"]])
+def test_a_commands_help_makes_no_runtime(argv: list[str]) -> None:
+    """The root callback leaves the Runtime to the first command that asks (worker.cli.context.rt).
+    (pydantic itself comes with typer here: typer/_adapters.py, when it builds a command's
+    parameters; lanefleet's config, models and driver do not.)"""
+    exit_code, helptext, heavy = imported_by(argv)
+    assert (exit_code, [m for m in heavy if m != "pydantic"]) == ("0", [])
+    assert "Usage:" in helptext and argv[-2] in helptext, helptext

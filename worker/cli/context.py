@@ -48,22 +48,31 @@ VersionOpt = Annotated[bool, typer.Option("--version", callback=_print_version, 
                                           help="print lanefleet's version and exit")]
 
 
+class _Unmade:
+    """The root's ``obj`` until a command asks for its Runtime (:func:`rt`): the config path."""
+
+    def __init__(self, config: Path | None) -> None:
+        self.config = config
+
+
 def root_callback(ctx: typer.Context, config: ConfigOpt = None, show_version: VersionOpt = False) -> None:
     """lanefleet: a Postgres-backed, multi-lane task queue for fleets of agent workers."""
-    # imported here, as every command module imports what its commands need: `fleet --help` runs
-    # no command and imports none of it (psycopg, pydantic, ...: bench/startup.py)
-    from worker.runtime import Runtime
-
-    ctx.obj = Runtime(config)
-    ctx.call_on_close(ctx.obj.close)
+    # the Runtime is made (and worker.runtime imported) by the first call of rt(): `fleet --help`
+    # and `fleet CMD --help` run no command and import none of it (psycopg, pydantic, ...:
+    # bench/startup.py)
+    ctx.obj = _Unmade(config)
 
 
 def rt(ctx: typer.Context) -> Runtime:
+    """The command's Runtime, made at the first call (and closed when the command ends)."""
     from worker.runtime import Runtime
 
-    obj = ctx.find_root().obj
-    assert isinstance(obj, Runtime)
-    return obj
+    root = ctx.find_root()
+    if not isinstance(root.obj, Runtime):
+        config = root.obj.config if isinstance(root.obj, _Unmade) else None
+        root.obj = Runtime(config)
+        root.call_on_close(root.obj.close)
+    return root.obj
 
 
 def emit_json(data: Any) -> None:

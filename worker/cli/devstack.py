@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from worker.cli.context import rt
+
 app = typer.Typer(no_args_is_help=True,
                   help="A local Supabase-compatible stack (PostgreSQL + PostgREST 12 + a /rest/v1 gateway).")
 
@@ -16,10 +18,8 @@ HomeOpt = Annotated[Path | None, typer.Option("--home", help="where the stack li
 
 
 def _home(ctx: typer.Context, home: Path | None) -> tuple[Path, Path]:
-    from worker.runtime import Runtime
-
-    obj = ctx.find_root().obj
-    fleet_home = obj.cfg.path(obj.cfg.fleet.home) if isinstance(obj, Runtime) else Path(".fleet")
+    r = rt(ctx)
+    fleet_home = r.cfg.path(r.cfg.fleet.home)
     return (home or fleet_home / "dev-stack"), fleet_home / "cache"
 
 
@@ -32,16 +32,14 @@ def up_command(
 ) -> None:
     """Start the stack (or find it running), apply the migrations, sync lanes; print where its env is."""
     from worker.dev import devstack
-    from worker.runtime import Runtime
     from worker.store.postgres import PostgresStore
     from worker.store.sync import sync_config
 
     where, cache = _home(ctx, home)
     stack = devstack.up(where, cache=cache, fresh=fresh)
-    obj = ctx.find_root().obj
-    if sync and isinstance(obj, Runtime):
+    if sync:
         with PostgresStore(stack.db_url, max_size=1) as store:
-            sync_config(store, obj.cfg)
+            sync_config(store, rt(ctx).cfg)
     print(f"dev stack up: API {stack.url}/rest/v1/ (schema fleet), database {stack.db_url.split('@')[1]}")
     print(f"environment: {stack.env_file}  (load it: set -a; . {stack.env_file}; set +a)")
     print("keys: fleet keys mint --role worker --lane <lane>   (with SUPABASE_JWT_SECRET from that file)")
