@@ -55,6 +55,8 @@ class Lane:
     profile: str = ""
     lost_session: str = ""
     ended_session: str = ""
+    source: str = ""  # a source feeding the lane alone
+    source_ref: str = ""  # its item
 
 
 @dataclass
@@ -154,6 +156,20 @@ def _lane(conn: psycopg.Connection, name: str) -> Lane:
     # a batch of two (its carrier queued)
     lane.batch = int(_one(conn, "select fleet.batch_create(%s, %s)", (name, [f"{name}:b1", f"{name}:b2"])))
     lane.carrier = int(_one(conn, "select task_id from fleet.batches where id = %s", (lane.batch,)))
+    # a source feeding the lane: an issue mirrored into a task, its pull request, CI, a write-back
+    lane.source = f"{m}-source"
+    conn.execute("select fleet.source_begin(%s, 'github', %s)", (lane.source, [name]))
+    conn.execute("select fleet.source_end(%s, %s, now(), null, null)",
+                 (lane.source, Jsonb({f"/repos/{m}/repo/issues": {"etag": f'W/"{m}"', "value": [m]}})))
+    ref = f"{m}/repo#1"
+    lane.source_ref = ref
+    conn.execute("select * from fleet.source_sync(%s, %s)", (lane.source, Jsonb([{
+        "ref": ref, "key": f"github:{ref}", "lane": name, "open": True, "selected": True,
+        "title": f"{m} issue", "payload": {"marker": m}, "url": f"https://github.test/{m}/repo/issues/1"}])))
+    conn.execute("select fleet.source_pr(%s, %s, %s)", (lane.source, ref, Jsonb({
+        "number": 2, "url": f"https://github.test/{m}/repo/pull/2", "head_sha": "abcdef1234567", "state": "open"})))
+    conn.execute("select fleet.source_ci(%s, %s, 'abcdef1234567', 1, 'pending', null)", (lane.source, ref))
+    conn.execute("select fleet.source_posted(%s, %s, %s, %s)", (lane.source, ref, f"{m}:posted", Jsonb(4242)))
     # runs that ended hours ago, for the hours rolled up
     conn.execute("""update fleet.runs set started_at = now() - interval '3 hours 10 minutes',
                                           ended_at = now() - interval '3 hours'

@@ -295,6 +295,10 @@ class LaneConfig(_AgentAccess):
     batch_verify: list[str] | None = Field(default=None, min_length=1)
     ship: list[str] | None = Field(default=None, min_length=1)
     batch_size: int | None = Field(default=None, ge=2)  # compose batches of ready tasks (needs `repo`)
+    # the CI loop (a lane fed by a source, with a repo): an agent's exit 0 waits in `ci` (holding no
+    # slot) for its pull request's checks; a failure comes back to the agent, at most max_ci_fixes times
+    ci: bool = False
+    max_ci_fixes: int = Field(default=3, ge=0)
 
     _split_command = field_validator("command", "verify", "batch_verify", "ship", mode="before")(classmethod(lambda cls, v: _argv(v)))
     _placeholders = field_validator("command")(classmethod(lambda cls, v: _check_placeholders(v)))
@@ -341,6 +345,8 @@ class LaneConfig(_AgentAccess):
             raise ValueError("backoff_max_seconds must be at least backoff_base_seconds")
         if self.batch_size is not None and not self.repo:
             raise ValueError("batch_size needs a repo: batch members land on a git integration branch")
+        if self.ci and not self.repo:
+            raise ValueError("ci needs a repo: the task's branch is pushed there and its pull request's checks judged")
         return self
 
     def lease_grant(self) -> float:
@@ -376,6 +382,74 @@ def _example_lanes() -> dict[str, Any]:
     }
 
 
+REPOSITORY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,38}/[A-Za-z0-9._-]{1,100}\Z")
+
+
+class SourceConfig(_Strict):
+    """An issue tracker feeding lanes (README "Taking work from GitHub"): which items become tasks
+    of which lane, and what is written back."""
+
+    kind: Literal["github"] = "github"
+    repository: str  # owner/name
+    api_url: str = "https://api.github.com"
+    # the token: from this environment variable, or from a file (mode 0600); never given to agents
+    token_env: str = "GITHUB_TOKEN"
+    token_file: Path | None = None
+    # the selector: an open issue with one of these labels becomes a task of that label's lane
+    labels: dict[str, str] = Field(min_length=1)
+    assignee: str | None = None  # only issues assigned to this login ("none": to nobody)
+    milestone: str | None = None  # only issues of this milestone (its title or number)
+    # labels → the task's priority, tier and profile
+    priority: dict[str, int] = Field(default_factory=dict)
+    tier: dict[str, str] = Field(default_factory=dict)
+    profile: dict[str, str] = Field(default_factory=dict)
+    # write-back: a label while a task runs, a comment at done, a comment and a label for a person at
+    # dead or blocked
+    on_claim: Literal["label", "none"] = "label"
+    on_done: Literal["comment", "none"] = "comment"
+    on_failure: Literal["comment", "none"] = "comment"
+    running_label: str = "fleet:running"
+    attention_label: str = "fleet:needs-attention"
+    # GitHub's rate limit: a pass waits this long at most for its reset (else it stops, and no pass
+    # asks again before the reset)
+    max_rate_wait: float = 60.0
+    timeout: float = 20.0
+
+    @field_validator("max_rate_wait", "timeout", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> float:
+        return parse_duration(v)
+
+    @field_validator("repository")
+    @classmethod
+    def _repository(cls, v: str) -> str:
+        if not REPOSITORY.match(v):
+            raise ValueError(f"{v!r} is not a repository (owner/name)")
+        return v
+
+    @field_validator("token_env")
+    @classmethod
+    def _token_env(cls, v: str) -> str:
+        if not ENV_NAME.match(v):
+            raise ValueError(f"{v!r} is not an environment variable name")
+        return v
+
+    @field_validator("api_url")
+    @classmethod
+    def _api_url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^\s/]+", v):
+            raise ValueError(f"{v!r} is not an http(s) URL")
+        return v.rstrip("/")
+
+    @field_validator("priority")
+    @classmethod
+    def _priorities(cls, v: dict[str, int]) -> dict[str, int]:
+        for label, n in v.items():
+            if not 0 <= n <= 1000:
+                raise ValueError(f"label {label!r}: priority {n} is not between 0 and 1000")
+        return v
+
+
 class FleetConfig(_Strict):
     database: DatabaseConfig = Field(default_factory=DatabaseConfig)
     supabase: SupabaseConfig = Field(default_factory=SupabaseConfig)
@@ -385,13 +459,14 @@ class FleetConfig(_Strict):
     lanes: dict[str, LaneConfig] = Field(default_factory=dict)
     # USD per million tokens by model, over worker.agent.prices.DEFAULT_PRICES
     prices: dict[str, PriceConfig] = Field(default_factory=dict)
+    sources: dict[str, SourceConfig] = Field(default_factory=dict)
     # where the file was read from (None: built-in defaults); relative paths resolve against it
     source: Path | None = None
 
-    @field_validator("lanes", "pools", "profiles")
+    @field_validator("lanes", "pools", "profiles", "sources")
     @classmethod
     def _names(cls, v: dict[str, Any], info: Any) -> dict[str, Any]:
-        what = {"lanes": "lane", "pools": "pool", "profiles": "profile"}[info.field_name]
+        what = {"lanes": "lane", "pools": "pool", "profiles": "profile", "sources": "source"}[info.field_name]
         for name in v:
             if not LANE_NAME.match(name):
                 raise ValueError(
@@ -423,6 +498,36 @@ class FleetConfig(_Strict):
                         raise ValueError(f"{where}.tiers: profile {chosen!r} maps no model to tier "
                                          f"{tier!r} (give profiles.{chosen}.models.{tier} or a model)")
         return self
+
+    @model_validator(mode="after")
+    def _sources(self) -> FleetConfig:
+        fed = set()
+        for name, source in self.sources.items():
+            where = f"sources.{name}"
+            for label, target in source.labels.items():
+                if target not in self.lanes:
+                    raise ValueError(f"{where}.labels: label {label!r} names lane {target!r}, which is not configured "
+                                     f"(lanes: {', '.join(sorted(self.lanes)) or 'none'})")
+                fed.add(target)
+            for label, profile in source.profile.items():
+                if profile not in self.profiles:
+                    raise ValueError(f"{where}.profile: label {label!r} names unknown profile {profile!r}")
+            # the source's token never reaches an agent (an agent gets a token of its own, if any)
+            for kind, table in (("lanes", self.lanes), ("profiles", self.profiles)):
+                for other, access in table.items():
+                    if source.token_env in access.agent_env:
+                        raise ValueError(f"{kind}.{other}.agent_env: {source.token_env} is source {name}'s token "
+                                         "and never reaches an agent; give the agent a narrower token of its own "
+                                         "under another name")
+        for name, lane in self.lanes.items():
+            if lane.ci and name not in fed:
+                raise ValueError(f"lanes.{name}.ci: no source feeds the lane (a [sources.<name>] labels entry): "
+                                 "nothing would open its pull requests or read their checks")
+        return self
+
+    def sources_of(self, lane: str) -> list[str]:
+        """The sources feeding a lane."""
+        return [n for n, s in self.sources.items() if lane in s.labels.values()]
 
     def dispatch_list(self, lane_name: str) -> list[dict[str, str]]:
         """The lane's pools in preference order, each with the profile that draws from it: the

@@ -11,8 +11,9 @@ from pydantic import BaseModel, ConfigDict
 
 # Every state of a task, as the schema's CHECK task_state lists them (a test holds them equal), and
 # the finished ones (finished_at is set exactly for these: CHECK finished_has_time). Any other
-# state is open: queued or running, blocked or in review (waiting for a person), batched.
-TASK_STATES = ("queued", "running", "blocked", "review", "batched", "done", "dead", "cancelled")
+# state is open: queued or running, blocked or in review (waiting for a person), batched, in ci
+# (waiting for its pull request's checks: a source's pass moves it on).
+TASK_STATES = ("queued", "running", "blocked", "review", "batched", "ci", "done", "dead", "cancelled")
 FINISHED_STATES = ("done", "dead", "cancelled")
 WAITING_STATES = ("blocked", "review")  # open, but only a person moves them on
 
@@ -99,6 +100,7 @@ class Task(_Row):
     max_cost_usd: Decimal | None = None
     max_tokens: int | None = None
     review_note: str | None = None
+    ci_feedback: str | None = None  # the failing checks of its pull request, for the next attempt
     attention: str | None = None
     kind: str = "task"  # 'batch': the task carries a batch (fleet.batches), run by worker.shift.batch
     batch_id: int | None = None  # a carrier's batch, or a member's while it is batched

@@ -15,7 +15,7 @@ declare
     v_state text;
 begin
     t := fleet._fenced(p_task, p_token);
-    v_state := fleet._done_state(t.lane);
+    v_state := fleet._done_state(t.lane, p_task);
     update fleet.tasks
        set state = v_state, result = p_result, updated_at = now(),
            finished_at = case when v_state = 'done' then now() end,
@@ -78,13 +78,16 @@ begin
              order by t.id for no key update) l;
     v_lanes := coalesce(v_lanes, '{}');
     for i in 1 .. cardinality(v_lanes) loop
-        v_lane_done[i] := fleet._done_state(v_lanes[i]);
+        v_lane_done[i] := fleet._done_state(v_lanes[i], null);
     end loop;
 
     -- the tasks whose lease the given token still holds, read before they are written (the
     -- session and attempt the journal names), in id order
     select array_agg(t.id order by t.id), array_agg(i.token order by t.id), array_agg(i.result order by t.id),
-           array_agg(v_lane_done[array_position(v_lanes, t.lane)] order by t.id),
+           -- (a lane with ci: the tasks a source feeds wait for their pull request's CI)
+           array_agg(case v_lane_done[array_position(v_lanes, t.lane)]
+                         when 'ci' then fleet._done_state(t.lane, t.id)
+                         else v_lane_done[array_position(v_lanes, t.lane)] end order by t.id),
            array_agg(t.lane order by t.id), array_agg(t.session_id order by t.id),
            array_agg(t.attempts order by t.id)
       into v_ids, v_tokens, v_results, v_states, v_task_lanes, v_sessions, v_attempts
@@ -647,19 +650,27 @@ $$;
 revoke all on function fleet._end_run(uuid,text,text) from public;
 grant execute on function fleet._end_run(uuid,text,text) to service_role;
 
--- What a completed task of the lane becomes: review when the lane requires one, else done.
-create or replace function fleet._done_state(p_lane text)
+-- What a completed task of the lane becomes: ci when the lane has ci = true and a source feeds
+-- the task (p_task; NULL: any task of the lane), where it waits for its pull request's checks
+-- (fleet.source_ci); else review when the lane requires one, else done.
+create or replace function fleet._done_state(p_lane text, p_task bigint)
 returns text
 language plpgsql
 stable
 as $$
+declare
+    l fleet.lanes;
 begin
-    return case when coalesce((select (config ->> 'review')::boolean from fleet.lanes where name = p_lane), false)
-                then 'review' else 'done' end;
+    select * into l from fleet.lanes where name = p_lane;
+    if coalesce((l.config ->> 'ci')::boolean, false)
+       and (p_task is null or exists (select 1 from fleet.source_items i where i.task_id = p_task)) then
+        return 'ci';
+    end if;
+    return case when coalesce((l.config ->> 'review')::boolean, false) then 'review' else 'done' end;
 end
 $$;
-revoke all on function fleet._done_state(text) from public;
-grant execute on function fleet._done_state(text) to service_role;
+revoke all on function fleet._done_state(text,bigint) from public;
+grant execute on function fleet._done_state(text,bigint) to service_role;
 
 -- What a verify gate's outcome does to the work it judged: the one mapping, for a task
 -- (fleet.gate_verdict), a batch member (fleet.batch_member_gate) and a batch's own gate

@@ -3,6 +3,30 @@
 -- The one hand-edited definition of each function and view below. A change here needs a
 -- migration made from it: `uv run python -m worker.dev.sqlsources new <name>` (see README).
 
+-- A task ends as cancelled, whatever held it: a running task's run ends 'cancelled' (its shift's
+-- next heartbeat says so and stops the agent), its slot is free at once. The journal's p_kind
+-- (cancelled, external_advance) carries p_detail and what the task was. The one cancellation of
+-- fleet.cancel (the operator's) and a source's external advance (its issue closed).
+create or replace function fleet._cancel(t fleet.tasks, p_kind text, p_detail jsonb default '{}')
+returns text
+language plpgsql
+as $$
+begin
+    update fleet.tasks
+       set state = 'cancelled', finished_at = now(), updated_at = now(), carry_over = false,
+           block_reason = null, verify_pending = false,
+           lease_token = null, lease_expires_at = null, session_id = null
+     where id = t.id;
+    if t.state = 'running' then
+        perform fleet._end_run(t.lease_token, 'cancelled');
+    end if;
+    perform fleet._event(p_kind, t.lane, t.id, t.session_id, p_detail || jsonb_build_object('was', t.state));
+    return 'cancelled';
+end
+$$;
+revoke all on function fleet._cancel(fleet.tasks,text,jsonb) from public;
+grant execute on function fleet._cancel(fleet.tasks,text,jsonb) to service_role;
+
 create or replace function fleet.cancel(p_task bigint)
 returns text
 language plpgsql
@@ -16,24 +40,36 @@ begin
     if t.state = 'cancelled' then
         return 'cancelled';
     end if;
-    if t.state not in ('queued', 'running', 'blocked') then
+    if t.state not in ('queued', 'running', 'blocked', 'ci') then
         perform fleet._raise('LF004',
-            format('task %s is %s: only queued, running or blocked tasks can be cancelled', p_task, t.state));
+            format('task %s is %s: only queued, running, blocked or ci tasks can be cancelled', p_task, t.state));
     end if;
-    update fleet.tasks
-       set state = 'cancelled', finished_at = now(), updated_at = now(), carry_over = false,
-           block_reason = null, verify_pending = false,
-           lease_token = null, lease_expires_at = null, session_id = null
-     where id = p_task;
-    if t.state = 'running' then
-        perform fleet._end_run(t.lease_token, 'cancelled');
-    end if;
-    perform fleet._event('cancelled', t.lane, p_task, t.session_id, jsonb_build_object('was', t.state));
-    return 'cancelled';
+    return fleet._cancel(t, 'cancelled');
 end
 $$;
 revoke all on function fleet.cancel(bigint) from public;
 grant execute on function fleet.cancel(bigint) to fleet_operator, service_role;
+
+-- A finished, cancelled or blocked task queued again with a fresh cap (its history kept: stages,
+-- runs, journal): the operator's retry, and a source's item reopened. LF009 for a retired lane.
+create or replace function fleet._requeue(t fleet.tasks, p_kind text, p_detail jsonb default '{}')
+returns text
+language plpgsql
+as $$
+begin
+    perform fleet._lane(t.lane);  -- LF009: a retired lane takes no task back
+    update fleet.tasks
+       set state = 'queued', run_at = now(), failures = 0, evaporations = 0, handoffs = 0, transients = 0,
+           dead_reason = null, block_reason = null, verify_pending = false,
+           finished_at = null, carry_over = false, updated_at = now()
+     where id = t.id;
+    perform fleet._event(p_kind, t.lane, t.id, null,
+        p_detail || jsonb_build_object('was', t.state, 'reason', coalesce(t.dead_reason, t.block_reason)));
+    return 'queued';
+end
+$$;
+revoke all on function fleet._requeue(fleet.tasks,text,jsonb) from public;
+grant execute on function fleet._requeue(fleet.tasks,text,jsonb) to service_role;
 
 create or replace function fleet.retry(p_task bigint)
 returns text
@@ -49,16 +85,7 @@ begin
         perform fleet._raise('LF004',
             format('task %s is %s: only dead, cancelled or blocked tasks can be retried', p_task, t.state));
     end if;
-    perform fleet._lane(t.lane);  -- LF009: a retired lane takes no task back
-    -- a fresh cap: the operator has decided it deserves more tries
-    update fleet.tasks
-       set state = 'queued', run_at = now(), failures = 0, evaporations = 0, handoffs = 0, transients = 0,
-           dead_reason = null, block_reason = null, verify_pending = false,
-           finished_at = null, carry_over = false, updated_at = now()
-     where id = p_task;
-    perform fleet._event('retried', t.lane, p_task, null,
-        jsonb_build_object('was', t.state, 'reason', coalesce(t.dead_reason, t.block_reason)));
-    return 'queued';
+    return fleet._requeue(t, 'retried');
 end
 $$;
 revoke all on function fleet.retry(bigint) from public;

@@ -671,7 +671,7 @@ create or replace trigger read_only instead of insert or update or delete on fle
 -- Invoker: a caller sees the lanes RLS lets it read.
 create or replace function fleet.lane_summary(p_key_prefix text default null)
 returns table (lane text, queued bigint, running bigint, blocked bigint, review bigint, batched bigint,
-               done bigint, dead bigint, cancelled bigint, retries bigint, handoffs bigint,
+               ci bigint, done bigint, dead bigint, cancelled bigint, retries bigint, handoffs bigint,
                tokens numeric, cost_usd numeric)
 language sql
 stable
@@ -695,6 +695,7 @@ as $$
            count(t.id) filter (where t.state = 'blocked'),
            count(t.id) filter (where t.state = 'review'),
            count(t.id) filter (where t.state = 'batched'),
+           count(t.id) filter (where t.state = 'ci'),
            count(t.id) filter (where t.state = 'done'),
            count(t.id) filter (where t.state = 'dead'),
            count(t.id) filter (where t.state = 'cancelled'),

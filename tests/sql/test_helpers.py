@@ -55,7 +55,7 @@ def test_release_of_a_task_not_running_does_nothing(conn, lane):
 
 
 HOT_HELPERS = ["_event(text,text,bigint,uuid,jsonb)", "_end_run(uuid,text,text)", "_lane_allowed(text)",
-               "_done_state(text)", "_allowed_lanes()", "_require_lane(text)"]
+               "_done_state(text,bigint)", "_allowed_lanes()", "_require_lane(text)"]
 
 
 def test_the_hot_helpers_are_plpgsql_and_claim_and_sync_lane_stay_definer(conn: psycopg.Connection) -> None:

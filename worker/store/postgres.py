@@ -42,7 +42,13 @@ from worker.errors import (
     InvalidInput,
 )
 from worker.models import Heartbeat, LeaseAnswer, RepairAction, Task
-from worker.store.protocol import BATCH_FUNCTIONS, CompleteItem, bulk_tasks
+from worker.store.protocol import (
+    BATCH_FUNCTIONS,
+    SOURCE_FUNCTIONS,
+    SOURCE_ROWS,
+    CompleteItem,
+    bulk_tasks,
+)
 from worker.store.reads import NamedReads, queries
 
 
@@ -331,6 +337,21 @@ class PostgresStore(NamedReads):
         args = sql.SQL(", ").join(sql.SQL("{} => {}").format(sql.Identifier(k), sql.Placeholder(k)) for k in params)
         query = sql.SQL("select fleet.{}({})").format(sql.Identifier(fn), args)
         values = {k: (_json(v) if isinstance(v, (dict, list)) and k not in ("p_keys",) else v) for k, v in params.items()}
+        return self._one(query, values, idempotent=idempotent)  # type: ignore[arg-type]
+
+    def source_call(self, fn: str, params: dict[str, Any], *, idempotent: bool = False) -> Any:
+        """One of a source's functions (:data:`~worker.store.protocol.SOURCE_FUNCTIONS`), with named
+        arguments: its rows (those of :data:`~worker.store.protocol.SOURCE_ROWS`) or its one value."""
+        from psycopg import sql
+
+        if fn not in SOURCE_FUNCTIONS:
+            raise ValueError(f"not a source function: {fn}")
+        args = sql.SQL(", ").join(sql.SQL("{} => {}").format(sql.Identifier(k), sql.Placeholder(k)) for k in params)
+        values = {k: (_json(v) if isinstance(v, (dict, list)) and k != "p_lanes" else v) for k, v in params.items()}
+        if fn in SOURCE_ROWS:
+            query = sql.SQL("select * from fleet.{}({})").format(sql.Identifier(fn), args)
+            return [dict(r) for r in self._run(query, values, idempotent=idempotent)]  # type: ignore[arg-type]
+        query = sql.SQL("select fleet.{}({})").format(sql.Identifier(fn), args)
         return self._one(query, values, idempotent=idempotent)  # type: ignore[arg-type]
 
     def sync_pool(self, name: str, slots: int | None) -> str:

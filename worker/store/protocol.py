@@ -22,6 +22,14 @@ BATCH_FUNCTIONS = frozenset({
     "batch_tail", "batch_finish",
 })
 
+#: the SQL functions a store's ``source_call`` may call (a source's pass: worker.sources); those in
+#: SOURCE_ROWS return rows, the others one value
+SOURCE_FUNCTIONS = frozenset({
+    "source_begin", "source_end", "source_sync", "source_work", "source_posted", "source_pr", "source_ci",
+    "source_reverted",
+})
+SOURCE_ROWS = frozenset({"source_sync", "source_work"})
+
 # one task of a complete_many batch: (task, token) or (task, token, result)
 CompleteItem = tuple[int, UUID] | tuple[int, UUID, Any]
 
@@ -72,6 +80,7 @@ class Store(Protocol):
     def cannot_start(self, task: int, token: UUID, error: str) -> str: ...
     def resume(self, task: int) -> str: ...
     def batch_call(self, fn: str, params: dict[str, Any], *, idempotent: bool = False) -> Any: ...
+    def source_call(self, fn: str, params: dict[str, Any], *, idempotent: bool = False) -> Any: ...
     def sync_pool(self, name: str, slots: int | None) -> str: ...
     def clear_throttle(self, pool: str) -> dict[str, Any]: ...
     def sync_profile(self, name: str, pool: str | None, models: dict[str, str],

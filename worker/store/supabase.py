@@ -45,7 +45,13 @@ from worker.errors import (
     MigrationError,
 )
 from worker.models import Heartbeat, LeaseAnswer, RepairAction, Task
-from worker.store.protocol import BATCH_FUNCTIONS, CompleteItem, bulk_tasks
+from worker.store.protocol import (
+    BATCH_FUNCTIONS,
+    SOURCE_FUNCTIONS,
+    SOURCE_ROWS,
+    CompleteItem,
+    bulk_tasks,
+)
 from worker.store.reads import NamedReads
 
 
@@ -322,6 +328,14 @@ class SupabaseStore(NamedReads):
             raise ValueError(f"not a batch function: {fn}")
         return self._rpc(fn, {k: (str(v) if isinstance(v, UUID) else v) for k, v in params.items()},
                          idempotent=idempotent)
+
+    def source_call(self, fn: str, params: dict[str, Any], *, idempotent: bool = False) -> Any:
+        """One of a source's functions (:data:`~worker.store.protocol.SOURCE_FUNCTIONS`) through
+        PostgREST RPC: its rows or its one value, as the Postgres store answers."""
+        if fn not in SOURCE_FUNCTIONS:
+            raise ValueError(f"not a source function: {fn}")
+        data = self._rpc(fn, params, idempotent=idempotent)
+        return [dict(r) for r in data or []] if fn in SOURCE_ROWS else data
 
     def sync_pool(self, name: str, slots: int | None) -> str:
         return str(self._rpc("sync_pool", {"p_name": name, "p_slots": slots}))

@@ -44,6 +44,8 @@ def lane_settings(lane: LaneConfig, dispatch: list[dict[str, str]] | None = None
             "workspace_retention_seconds": lane.workspace_retention,
             "max_transient": lane.max_transient,
             "max_payload_bytes": lane.max_payload_bytes,
+            "ci": lane.ci,
+            "max_ci_fixes": lane.max_ci_fixes,
         },
     }
 

@@ -205,6 +205,10 @@ def build_prompt(task: Task, instructions: str, lane_handoff: LaneHandoff | None
         parts += ["", "## Review: your last result was sent back", "",
                   "A reviewer rejected the last attempt's result with this note. Address it:", "",
                   task.review_note.strip()[-4000:]]
+    if task.ci_feedback:
+        parts += ["", "## CI failed on your pull request", "",
+                  "The checks of the branch you pushed failed. Fix what they report, commit, and finish "
+                  "again: your next push runs them again.", "", task.ci_feedback.strip()[-6000:]]
     if task.last_error and task.failures:
         parts += ["", f"## The last attempt failed ({task.failures} failure(s) so far)", "",
                   "```", task.last_error[-1500:], "```"]
