@@ -19,6 +19,12 @@ declares those on a few operations only. So an undeclared 401, a 403/429 that is
 answer (``x-ratelimit-remaining: 0`` or a ``retry-after`` header) and a 304 to a conditional GET are
 accepted, their bodies checked against the description's ``basic-error``. Any other undeclared
 status is a problem.
+
+One reading of OpenAPI 3.0 is also settled by what api.github.com sends: a schema with
+``nullable: true`` accepts null even where it has an ``enum`` without null (``state_reason``,
+``conclusion``) or an ``anyOf``/``oneOf``/``allOf`` (a commit's ``author``); the strict OAS 3.0.3
+reading (and the validator) would refuse the nulls GitHub sends there. ``_nullable`` rewrites those
+schemas once, when the description is loaded.
 """
 
 from __future__ import annotations
@@ -139,6 +145,22 @@ def _where(error: Any) -> str:
     return path or "(the whole body)"
 
 
+def _nullable(node: Any) -> Any:
+    """The description with ``nullable: true`` accepting null beside an enum or a composition."""
+    if isinstance(node, list):
+        return [_nullable(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _nullable(v) for k, v in node.items()}
+    if out.get("nullable") is True:
+        if isinstance(out.get("enum"), list) and None not in out["enum"]:
+            out["enum"] = [*out["enum"], None]
+        if any(k in out for k in ("anyOf", "oneOf", "allOf")):
+            rest = {k: v for k, v in out.items() if k != "nullable"}
+            return {"anyOf": [{"enum": [None]}, rest]}
+    return out
+
+
 def _rooted(schema: Any) -> Any:
     """``schema`` (inline in an operation) with its "#/components/..." references made absolute
     (``DOC_URI#/...``): they point into the description, not into the inline schema."""
@@ -154,6 +176,7 @@ class Description:
     """The operations of the description, and the checks of traffic against them."""
 
     def __init__(self, doc: Mapping[str, Any]) -> None:
+        doc = _nullable(doc)
         self.doc = doc
         self.version = str(doc.get("info", {}).get("version"))
         self._registry: Registry[Any] = Registry().with_resource(
