@@ -30,6 +30,7 @@ schemas once, when the description is loaded.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import re
 import shutil
@@ -58,7 +59,7 @@ DOC_URI = "urn:github-rest-api-description"  # the description's base URI for it
 METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 # what api.github.com answers on every operation, declared or not (module docstring)
 ANY_OPERATION = {"401", "403", "429"}
-BASIC_ERROR = {"$ref": f"{DOC_URI}#/components/schemas/basic-error"}
+BASIC_ERROR = {"$ref": "#/components/schemas/basic-error"}
 
 
 class NpmUnavailable(Exception):
@@ -141,8 +142,7 @@ def _is_json(content_type: str | None) -> bool:
 
 
 def _where(error: Any) -> str:
-    path = "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
-    return path or "(the whole body)"
+    return "".join(f"[{p!r}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path)
 
 
 def _nullable(node: Any) -> Any:
@@ -185,6 +185,7 @@ class Description:
         self._lock = threading.Lock()
         self._validators: dict[tuple[str, str, str], Validator] = {}
         self._found: dict[tuple[str, str], Operation | None] = {}
+        self._seen: dict[tuple[tuple[str, str, str], bytes], list[tuple[str, str]]] = {}
         # by segment count: (literal segments first) (regex, template, method -> operation)
         self._routes: dict[int, list[tuple[re.Pattern[str], str, dict[str, Operation]]]] = {}
         for template, item in doc["paths"].items():
@@ -249,9 +250,35 @@ class Description:
 
     def _schema_problems(self, key: tuple[str, str, str], schema: Mapping[str, Any], instance: Any,
                          write: bool) -> list[str]:
+        return [f"{where or '(the whole body)'}: {message}"
+                for where, message in self._errors(key, schema, instance, write)[:20]]
+
+    def _errors(self, key: tuple[str, str, str], schema: Mapping[str, Any], instance: Any,
+                write: bool) -> list[tuple[str, str]]:
+        """``instance`` against ``schema``: (where, message) pairs. A list's items are checked one
+        by one, and each distinct item (or other instance) once per process: clients poll the same
+        objects again and again."""
+        resolved = self.resolve(schema)
+        if isinstance(instance, list) and resolved.get("type") == "array" and "items" in resolved:
+            found: list[tuple[str, str]] = []
+            for n, item in enumerate(instance):
+                found += [(f"[{n}]{where}", message) for where, message in
+                          self._errors((*key[:2], key[2] + "[]"), resolved["items"], item, write)]
+                if len(found) >= 20:
+                    break
+            return found
+        digest = hashlib.sha1(json.dumps(instance, sort_keys=True).encode()).digest()
+        seen = self._seen.get((key, digest))
+        if seen is not None:
+            return seen
         validator = self._validator(key, _rooted(schema), write)
         errors = sorted(validator.iter_errors(instance), key=lambda e: list(e.absolute_path))
-        return [f"{_where(e)}: {e.message[:300]}" for e in errors[:20]]
+        found = [(_where(e), e.message[:300]) for e in errors[:20]]
+        with self._lock:
+            if len(self._seen) > 100_000:
+                self._seen.clear()
+            self._seen[(key, digest)] = found
+        return found
 
     def _value_problems(self, op: Operation, where: str, name: str, raw: list[str],
                         schema: Mapping[str, Any]) -> list[str]:

@@ -31,6 +31,7 @@ import json
 import math
 import os
 import secrets
+import socket
 import subprocess
 import threading
 import time
@@ -764,9 +765,12 @@ def add_labels(gh: GitHubStandIn, c: _Call) -> Reply:
     given = c.data.get("labels") if isinstance(c.data, dict) else c.data
     if not isinstance(given, list):
         raise c.invalid({"resource": "Label", "field": "labels", "code": "missing_field"})
-    names = [x.get("name") if isinstance(x, dict) else x for x in given]
-    if not all(isinstance(n, str) and n for n in names):
-        raise c.invalid({"resource": "Label", "field": "name", "code": "invalid"})
+    names: list[str] = []
+    for x in given:
+        n = x.get("name") if isinstance(x, dict) else x
+        if not isinstance(n, str) or not n:
+            raise c.invalid({"resource": "Label", "field": "name", "code": "invalid"})
+        names.append(n)
     for n in names:
         canonical = gh._label(c.repo, n)[1]
         if canonical.lower() not in {x.lower() for x in i.labels}:
@@ -937,6 +941,12 @@ ROUTES: dict[str, Callable[[GitHubStandIn, _Call], Reply]] = {
 def _handler(gh: GitHubStandIn) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: clients reuse their connections
+
+        def setup(self) -> None:
+            super().setup()
+            # headers and body go out in two writes: without this, Nagle and the client's delayed
+            # ACK hold every response ~40 ms
+            self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
         def _serve(self) -> None:
             length = int(self.headers.get("content-length") or 0)

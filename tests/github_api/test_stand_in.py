@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -365,4 +366,19 @@ def test_branches_and_merges_live_in_the_given_git_repository(tmp_path: Path) ->
             assert [x["sha"] for x in listed] == [revert, merge]
             assert listed[1]["commit"]["message"].startswith(f"Merge pull request #{number} from acme/fleet/task-1")
             assert c.get(f"/repos/{REPO}/pulls/{number}").json()["head"]["sha"] == second  # frozen once merged
+    assert gh.problems == []
+
+
+def test_concurrent_writers_each_get_their_own_comment(gh: GitHubStandIn) -> None:
+    n = gh.add_issue(REPO, "x")
+
+    def post(k: int) -> int:
+        with client(gh) as c:
+            return c.post(f"/repos/{REPO}/issues/{n}/comments", json={"body": f"comment {k}"}).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(post, range(16))) == [201] * 16
+    assert sorted(gh.comments_of(REPO, n)) == sorted(f"comment {k}" for k in range(16))
+    with client(gh) as c:
+        assert c.get(f"/repos/{REPO}/issues/{n}").json()["comments"] == 16
     assert gh.problems == []
