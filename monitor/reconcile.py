@@ -108,11 +108,13 @@ def prune_git_worktrees(cfg: FleetConfig) -> None:
 
 def monitor_pass(store: PostgresStore, cfg: FleetConfig, host: str | None = None,
                  *, local: bool = True) -> list[RepairAction]:
-    """One pass: the host's pid checks (unless ``local`` is off), then the fleet-wide repairs, then
-    (unless ``local`` is off) the reaping of this host's stale workspaces."""
+    """One pass: the host's pid checks (unless ``local`` is off), then the fleet-wide repairs, a pass
+    of each source (issue trackers), then (unless ``local`` is off) the reaping of this host's stale
+    workspaces."""
     actions = host_checks(store, host) if local else []
     actions += store.reconcile(int(cfg.fleet.idle_alert_seconds), 60)
     actions += quiet_agents(store)
+    actions += source_passes(store, cfg)
     if local:
         try:
             actions += reap_workspaces(store, cfg, host)
@@ -135,4 +137,21 @@ def quiet_agents(store: PostgresStore) -> list[RepairAction]:
             detail={"key": row["key"], "quiet_seconds": float(row["quiet_seconds"] or 0),
                     "stall_seconds": row["stall_seconds"], "stall_action": row["stall_action"],
                     **({"attention": waiting} if waiting else {})}))
+    return out
+
+
+def source_passes(store: PostgresStore, cfg: FleetConfig) -> list[RepairAction]:
+    """A pass of each source of the config (worker.sources): what changed, or why it stopped, as
+    one action each (none for a pass that found nothing new)."""
+    if not cfg.sources:
+        return []
+    from worker.sources.passes import run_passes
+
+    out = []
+    for report in run_passes(store, cfg):
+        changed = {a: n for a, n in report.actions.items() if a != "unchanged"}
+        if report.error or changed:
+            out.append(RepairAction(action="source_failed" if report.error else "source_synced", lane=None,
+                                    task_id=None, session_id=None,
+                                    detail={"source": report.source, "summary": report.line(), **changed}))
     return out

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from github_api.fixture import github_stand_in
+from github_api.stand_in import GitHubStandIn
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from supabase_stack import stack, supabase_stack  # noqa: F401  (fixtures)
@@ -145,3 +147,11 @@ def backend(request: pytest.FixtureRequest):  # -> fleetkit.Backend
         st = request.getfixturevalue("stack")
         return Backend("supabase", st.db_url, st)
     return Backend("postgres", request.getfixturevalue("db_url"))
+
+
+@pytest.fixture
+def github() -> Iterator[GitHubStandIn]:
+    """A loopback GitHub REST API (tests/github_api/): a test whose traffic breaks GitHub's OpenAPI
+    description, either way, fails."""
+    with github_stand_in() as gh:
+        yield gh

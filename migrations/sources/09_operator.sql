@@ -20,7 +20,7 @@ begin
     if t.state = 'running' then
         perform fleet._end_run(t.lease_token, 'cancelled');
     end if;
-    perform fleet._event(p_kind, t.lane, t.id, t.session_id, p_detail || jsonb_build_object('was', t.state));
+    perform fleet._event(p_kind, t.lane, t.id, t.session_id, jsonb_build_object('was', t.state) || p_detail);
     return 'cancelled';
 end
 $$;
@@ -64,7 +64,7 @@ begin
            finished_at = null, carry_over = false, updated_at = now()
      where id = t.id;
     perform fleet._event(p_kind, t.lane, t.id, null,
-        p_detail || jsonb_build_object('was', t.state, 'reason', coalesce(t.dead_reason, t.block_reason)));
+        jsonb_build_object('was', t.state, 'reason', coalesce(t.dead_reason, t.block_reason)) || p_detail);
     return 'queued';
 end
 $$;

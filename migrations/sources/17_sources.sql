@@ -85,7 +85,9 @@ begin
         perform fleet._raise('LF005', 'the cache must be a JSON object of URLs');
     end if;
     update fleet.sources
-       set cache = jsonb_strip_nulls(cache || coalesce(p_cache, '{}')),
+       set cache = (select coalesce(jsonb_object_agg(e.url, e.entry), '{}')
+                      from jsonb_each(cache || coalesce(p_cache, '{}')) e(url, entry)
+                     where e.entry <> 'null'),
            cursor = greatest(cursor, p_cursor),
            resume_at = p_resume_at,
            passes = passes + 1, last_pass_at = now(), last_error = left(p_error, 2000), updated_at = now()

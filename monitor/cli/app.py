@@ -17,7 +17,19 @@ import typer
 from rich.markup import escape
 
 from monitor.cli import dashboards, run, workspaces
-from worker.cli import batch, db, devstack, dispatch, guard, keys, migrate, review, shift, tasks
+from worker.cli import (
+    batch,
+    db,
+    devstack,
+    dispatch,
+    guard,
+    keys,
+    migrate,
+    review,
+    shift,
+    sources,
+    tasks,
+)
 from worker.cli.context import err_console, root_callback
 from worker.errors import FleetError
 
@@ -40,6 +52,7 @@ app.add_typer(dispatch.pools_app, name="pools")
 app.command("resume")(tasks.resume)
 app.add_typer(review.review_app, name="review")
 app.add_typer(batch.batch_app, name="batch")
+app.add_typer(sources.sources_app, name="sources")
 # agents' commands: their own parsers (worker.cli.agent_calls); options end at CMD
 app.command("checkpoint", context_settings=guard.PASS_ON, add_help_option=False)(guard.checkpoint)
 app.command("guard", context_settings=guard.PASS_ON, add_help_option=False)(guard.guard)

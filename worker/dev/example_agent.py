@@ -18,13 +18,16 @@ The task payload steers it (all optional):
   ``route_note``;
 - ``tokens``: scale of the token counts (1000; each step's assistant record carries the usage of
   its turn, 5 × scale tokens);
-- ``commit``: in a git workspace, append a line per step to this file and commit it;
+- ``commit``: in a git workspace, append a line per step to this file and commit it (and one more,
+  a fix, when its prompt says its pull request's CI failed);
 - ``attention``: write it to ``.fleet/attention.json`` as a permission prompt would, then wait;
 - ``limit_attempts``: in attempts 1..N, hit a usage limit the way Claude Code reports one (a result
   record with ``is_error`` and "Claude AI usage limit reached|<epoch>", exit 1), the reset
   ``limit_reset_in`` seconds (3600) from now; ``limit_message`` replaces the text.
 
 ``--model M`` after the prompt file: the model it was dispatched with, named in its init record.
+``--script JSON``: steering for every task of the lane (what a task from an issue tracker, whose
+payload is the issue, cannot carry); the payload's own keys win.
 """
 
 from __future__ import annotations
@@ -88,15 +91,21 @@ def commit_step(name: str, message: str) -> None:
 
 def main(argv: list[str]) -> int:
     model = "claude-sonnet-4-5"
-    if len(argv) == 3 and argv[1] == "--model":
-        model = argv[2] or model
-    elif len(argv) != 1:
-        print("usage: python -m worker.dev.example_agent PROMPT_FILE [--model M]", file=sys.stderr)
+    script: dict[str, Any] = {}
+    args = argv[1:]
+    while len(args) >= 2 and args[0] in ("--model", "--script"):
+        if args[0] == "--model":
+            model = args[1] or model
+        else:
+            script = json.loads(args[1])
+        args = args[2:]
+    if not argv or args:
+        print("usage: python -m worker.dev.example_agent PROMPT_FILE [--model M] [--script JSON]", file=sys.stderr)
         return 2
     prompt = Path(argv[0]).read_text()
     fleet = Path(".fleet")
     task = json.loads((fleet / "task.json").read_text())
-    payload: dict[str, Any] = task.get("payload") or {}
+    payload: dict[str, Any] = script | (task.get("payload") or {})
     attempt = int(os.environ.get("FLEET_ATTEMPT", "1"))
     session = task.get("agent_session") or str(uuid.uuid4())
     scale = int(payload.get("tokens", 1000))
@@ -127,6 +136,9 @@ def main(argv: list[str]) -> int:
         done = int(json.loads((fleet / "checkpoint.json").read_text()).get("step", 0))
     except (OSError, ValueError, AttributeError):
         done = 0
+    if payload.get("commit") and "## CI failed on your pull request" in prompt:
+        # the checks of its pull request failed: a fix, whatever its checkpoint says was done
+        commit_step(str(payload["commit"]), f"{task['key']}: fix what CI reported (attempt {attempt})")
     steps = int(payload.get("steps", 3))
     per_shift = int(payload.get("steps_per_shift", steps))
     this_attempt = 0

@@ -45,6 +45,7 @@ from worker.models import Heartbeat, LeaseAnswer, RepairAction, Task
 from worker.store.protocol import (
     BATCH_FUNCTIONS,
     SOURCE_FUNCTIONS,
+    SOURCE_JSON,
     SOURCE_ROWS,
     CompleteItem,
     bulk_tasks,
@@ -347,7 +348,7 @@ class PostgresStore(NamedReads):
         if fn not in SOURCE_FUNCTIONS:
             raise ValueError(f"not a source function: {fn}")
         args = sql.SQL(", ").join(sql.SQL("{} => {}").format(sql.Identifier(k), sql.Placeholder(k)) for k in params)
-        values = {k: (_json(v) if isinstance(v, (dict, list)) and k != "p_lanes" else v) for k, v in params.items()}
+        values = {k: (Jsonb(v) if k in SOURCE_JSON else v) for k, v in params.items()}
         if fn in SOURCE_ROWS:
             query = sql.SQL("select * from fleet.{}({})").format(sql.Identifier(fn), args)
             return [dict(r) for r in self._run(query, values, idempotent=idempotent)]  # type: ignore[arg-type]

