@@ -212,7 +212,8 @@ grant execute on function fleet.source_sync(text,jsonb) to fleet_operator, servi
 -- with (outcome: the journal event that put it there, the key a write-back of it is kept under),
 -- its spend, its pull request and CI, what was posted. Work: a task running (the claim label), in
 -- ci or review (its PR, its checks, a merge), blocked, done or dead with its outcome not written
--- back yet, or merged within 7 days and not reverted (a regression to watch for).
+-- back yet, merged within 7 days and not reverted (a regression to watch for), or done with its
+-- pull request still open (its merge to be seen).
 create or replace function fleet.source_work(p_source text)
 returns table (item jsonb)
 language plpgsql
@@ -230,6 +231,7 @@ begin
     return query
     select jsonb_build_object(
                'ref', i.ref, 'lane', i.lane, 'url', i.url, 'open', i.open, 'selected', i.selected,
+               'pr_state', i.pr_state,
                'task_id', t.id, 'key', t.key, 'title', t.title, 'task_lane', t.lane, 'state', t.state, 'attempts', t.attempts,
                'block_reason', t.block_reason, 'dead_reason', t.dead_reason, 'last_error', right(t.last_error, 2000),
                'result', t.result, 'pr_number', i.pr_number, 'pr_url', i.pr_url, 'head_sha', i.head_sha,
@@ -258,7 +260,10 @@ begin
        and (t.state in ('running', 'ci', 'review', 'blocked')
             or (t.state in ('done', 'dead') and t.finished_at > now() - interval '30 days'
                 and not coalesce(i.posts ? (o.outcome ->> 'key'), false))
-            or (i.merged_at > now() - interval '7 days' and i.reverted_at is null))
+            or (i.merged_at > now() - interval '7 days' and i.reverted_at is null)
+            -- done with its pull request open: a merge to come starts the 7 days a revert counts
+            or (t.state = 'done' and i.pr_number is not null and i.merged_at is null
+                and i.pr_state is distinct from 'closed' and t.finished_at > now() - interval '30 days'))
      order by i.id;
 end
 $$;
@@ -338,6 +343,7 @@ begin
     v_merged_at := (p_pr ->> 'merged_at')::timestamptz;
     update fleet.source_items
        set pr_number = (p_pr ->> 'number')::int, pr_url = coalesce(p_pr ->> 'url', pr_url),
+           pr_state = coalesce(p_pr ->> 'state', pr_state),
            head_sha = coalesce(p_pr ->> 'head_sha', head_sha),
            merged_sha = coalesce(merged_sha, p_pr ->> 'merged_sha'),
            merged_at = coalesce(merged_at, v_merged_at), updated_at = now()

@@ -26,8 +26,8 @@ The task payload steers it (all optional):
   ``limit_reset_in`` seconds (3600) from now; ``limit_message`` replaces the text.
 
 ``--model M`` after the prompt file: the model it was dispatched with, named in its init record.
-``--script JSON``: steering for every task of the lane (what a task from an issue tracker, whose
-payload is the issue, cannot carry); the payload's own keys win.
+``--script K=V,K=V``: steering for every task of the lane (what a task from an issue tracker, whose
+payload is the issue, cannot carry), each value JSON or else text; the payload's own keys win.
 """
 
 from __future__ import annotations
@@ -89,6 +89,14 @@ def commit_step(name: str, message: str) -> None:
     subprocess.run([*git, "commit", "-q", "--no-verify", "-m", message], check=True)
 
 
+def _setting(pair: str) -> tuple[str, Any]:
+    name, _, text = pair.partition("=")
+    try:
+        return name, json.loads(text)
+    except ValueError:
+        return name, text
+
+
 def main(argv: list[str]) -> int:
     model = "claude-sonnet-4-5"
     script: dict[str, Any] = {}
@@ -97,10 +105,11 @@ def main(argv: list[str]) -> int:
         if args[0] == "--model":
             model = args[1] or model
         else:
-            script = json.loads(args[1])
+            script = dict(_setting(pair) for pair in args[1].split(",") if pair)
         args = args[2:]
     if not argv or args:
-        print("usage: python -m worker.dev.example_agent PROMPT_FILE [--model M] [--script JSON]", file=sys.stderr)
+        print("usage: python -m worker.dev.example_agent PROMPT_FILE [--model M] [--script K=V,...]",
+              file=sys.stderr)
         return 2
     prompt = Path(argv[0]).read_text()
     fleet = Path(".fleet")

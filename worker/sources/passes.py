@@ -25,7 +25,7 @@ import stat
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +123,7 @@ class SourcePass:
         for row in self.work():
             if row["state"] == "ci":
                 self.judge_ci(row)
-            elif row.get("pr_number") and row["state"] in LIVE:
+            elif row.get("pr_number") and (row["state"] in LIVE or not row.get("merged_at")):
                 pr = self.tracker.pull_request(int(row["pr_number"]))
                 self.record_pr(row, pr)
 
@@ -221,7 +221,8 @@ class SourcePass:
         if lane is None or merged_at is None:
             return
         needle = f"This reverts commit {row['merged_sha']}"
-        for commit in self.tracker.commits_since(lane.base, merged_at):
+        # committer dates come from the committer's clock: a day's slack before the merge
+        for commit in self.tracker.commits_since(lane.base, merged_at - timedelta(days=1)):
             if needle in commit.message:
                 if self.call("source_reverted", p_ref=row["ref"], p_revert_sha=commit.sha,
                              p_reverted_at=commit.date.isoformat()) == "recorded":

@@ -1,0 +1,145 @@
+"""The CI loop of a lane fed by a GitHub source (issue #21): issue → task → agent → branch → pull
+request → checks → done, or back to the agent with the failing checks' log tails, or blocked for a
+person; a merge outside the fleet ends the task, and its revert within 7 days is a regression. On
+both store back-ends, against the loopback GitHub (tests/github_api/) whose pull requests read the
+task branches the shifts push to a real bare repository."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fleetkit import AGENT, Backend, lane_defaults
+from github_api.stand_in import GitHubStandIn
+from gitkit import bare_origin, git
+from test_sources import REPO, World
+
+from worker.workspace.git import branch_name
+
+FAILED_LOG = ("============ FAILURES ============\n"
+              "FAILED tests/test_widget.py::test_empty - AssertionError: widget('') raised ValueError\n"
+              "============ 1 failed, 41 passed in 2.31s ============\n")
+
+
+def ci_lanes(origin: Path, **bugfix: Any) -> dict[str, dict[str, Any]]:
+    script = "commit=fix.txt,steps=1,sleep=0.05"
+    return {"bugfix": lane_defaults(command=[*AGENT, "--script", script], repo=str(origin), ci=True, **bugfix),
+            "docs": lane_defaults()}
+
+
+@pytest.fixture
+def origin(tmp_path: Path) -> Path:
+    return bare_origin(tmp_path)
+
+
+def head(origin: Path, branch: str) -> str:
+    return git("--git-dir", str(origin), "rev-parse", branch)
+
+
+def to_ci(w: World, number: int) -> dict[str, Any]:
+    """The agent's attempt: its exit 0 leaves the task waiting in ci, its branch pushed."""
+    summary = w.fleet.run_shift("bugfix", max_tasks=1)
+    assert summary.claimed == 1, summary
+    task = w.task_of(number)
+    assert task["state"] == "ci", (task["state"], task["last_error"])
+    assert w.fleet.sql("select count(*) as n from fleet.tasks where state = 'running'")[0]["n"] == 0
+    return task
+
+
+def test_issue_to_done_through_a_red_then_green_ci(backend: Backend, tmp_path: Path, origin: Path,
+                                                   github: GitHubStandIn) -> None:
+    w = World(backend, tmp_path, github, ci_lanes(origin), git_dir=origin)
+    try:
+        n = github.add_issue(REPO, "widget('') raises", "It should return ''.", ["fleet:bugfix"])
+        w.sync()
+        task = to_ci(w, n)
+        branch = branch_name("bugfix", task["key"])
+        first = head(origin, branch)
+
+        report = w.sync()  # its pull request opened; no checks yet: it waits
+        assert report.actions["pull requests opened"] == 1
+        (pr,) = github.pulls_of(REPO).values()
+        assert pr.head == branch and w.item(n)["pr_number"] == pr.number
+        assert w.task_of(n)["state"] == "ci"
+
+        github.set_checks(REPO, first, [{"name": "tests", "conclusion": "failure", "log": FAILED_LOG},
+                                        {"name": "lint", "conclusion": "success", "log": "All checks passed!"}])
+        assert w.sync().actions["ci failure"] == 1
+        task = w.task_of(n)
+        assert task["state"] == "queued"
+        assert "tests" in task["ci_feedback"] and "AssertionError: widget('') raised ValueError" in task["ci_feedback"]
+        assert "lint" not in task["ci_feedback"].split("\n")[0].split(": ", 1)[1]
+        assert w.events(task["id"], "ci_failed")[-1]["fix"] == 1
+
+        to_ci(w, n)  # the agent is told, and pushes a fix
+        prompt = (w.fleet.workspace("bugfix", task["key"]) / ".fleet" / "prompt.md").read_text()
+        assert "CI failed on your pull request" in prompt and "widget('') raised ValueError" in prompt
+        second = head(origin, branch)
+        assert second != first
+        assert "fix what CI reported" in git("--git-dir", str(origin), "log", "-2", "--format=%s", branch)
+
+        assert w.sync().actions.get("ci success", 0) == 0  # the new head has no checks yet
+        github.set_checks(REPO, second, [{"name": "tests", "conclusion": "success", "log": "42 passed"},
+                                         {"name": "lint", "conclusion": "success", "log": "ok"}])
+        assert w.sync().actions["ci success"] == 1
+        task = w.task_of(n)
+        assert task["state"] == "done" and task["ci_feedback"] is None
+        ci = w.item(n)["ci"]
+        assert ci[first] == {"runs": 1, "verdict": "failure"} and ci[second] == {"runs": 1, "verdict": "success"}
+        comments = github.comments_of(REPO, n)
+        assert len(comments) == 1 and f"/pull/{pr.number}" in comments[0]
+
+        # merged by a person; reverted two days later: the task's regression
+        merge = github.merge_pull(REPO, pr.number)
+        w.sync()
+        assert w.item(n)["merged_sha"] == merge
+        github.add_commit(REPO, "main", f"Revert \"widget('') raises\"\n\nThis reverts commit {merge}.")
+        assert w.sync().actions["regressions"] == 1
+        assert w.item(n)["reverted_at"] is not None
+        assert w.events(task["id"], "regression")[-1]["merged_sha"] == merge
+        w.sync()
+        assert len(github.comments_of(REPO, n)) == 1
+    finally:
+        w.fleet.close()
+
+
+def test_ci_that_keeps_failing_blocks_the_task_for_a_person(db_url: str, tmp_path: Path, origin: Path,
+                                                            github: GitHubStandIn) -> None:
+    w = World(Backend("postgres", db_url), tmp_path, github, ci_lanes(origin, max_ci_fixes=0), git_dir=origin)
+    try:
+        n = github.add_issue(REPO, "flaky widget", "", ["fleet:bugfix"])
+        w.sync()
+        task = to_ci(w, n)
+        w.sync()
+        github.set_checks(REPO, head(origin, branch_name("bugfix", task["key"])),
+                          [{"name": "tests", "conclusion": "failure", "log": FAILED_LOG}])
+        w.sync()
+        task = w.task_of(n)
+        assert (task["state"], task["block_reason"]) == ("blocked", "ci-failed")
+        w.sync()
+        (comment,) = github.comments_of(REPO, n)
+        assert "needs a person" in comment and "widget('') raised ValueError" in comment
+        assert "fleet:needs-attention" in github.labels_of(REPO, n)
+    finally:
+        w.fleet.close()
+
+
+def test_a_pull_request_merged_outside_the_fleet_ends_its_task(db_url: str, tmp_path: Path, origin: Path,
+                                                               github: GitHubStandIn) -> None:
+    w = World(Backend("postgres", db_url), tmp_path, github, ci_lanes(origin), git_dir=origin)
+    try:
+        n = github.add_issue(REPO, "merge me", "", ["fleet:bugfix"])
+        w.sync()
+        task = to_ci(w, n)
+        w.sync()
+        (pr,) = github.pulls_of(REPO).values()
+        merge = github.merge_pull(REPO, pr.number)  # no checks waited for: a person merged it
+        w.sync()
+        task = w.task_of(n)
+        assert task["state"] == "done" and task["result"]["merged_sha"] == merge
+        assert w.events(task["id"], "external_advance")[-1]["reason"] == "merged"
+        # the merge closed the issue too: read after the merge, it cancels nothing
+        assert not w.events(task["id"], "cancelled")
+    finally:
+        w.fleet.close()
