@@ -42,6 +42,7 @@ from worker.dev.devstack import DevStack
 NONE_ID = 987_654_321  # no task, batch or workspace has this id
 NONE_LANE, NONE_POOL, NONE_PROFILE, NONE_HOST = "lane-none", "none-pool", "none-prof", "none-host"
 NONE_KEY = "lane-none:q1"
+NONE_SOURCE, NONE_REF = "none-source", "none/repo#1"
 NONE_TOKEN, NONE_SESSION = "00000000-0000-4000-8000-0000000000a1", "00000000-0000-4000-8000-0000000000a2"
 
 # What each parameter name names, as (lane B's, nothing's), from the world and the parameter's type.
@@ -66,6 +67,9 @@ SUBSTITUTE: dict[str, Sub] = {
     "p_tokens": lambda w, t: ([w.b.token], [NONE_TOKEN]),
     "p_progressed": lambda w, t: ([w.b.task], [NONE_ID]),
     "p_attention": lambda w, t: ({str(w.b.task): "probe"}, {str(NONE_ID): "probe"}),
+    "p_source": lambda w, t: (w.b.source, NONE_SOURCE),
+    "p_ref": lambda w, t: (w.b.source_ref, NONE_REF),
+    "p_lanes": lambda w, t: ([w.b.name], [NONE_LANE]),
 }
 # p_name is a lane, a pool or a profile, by function
 NAME_OF = {"sync_lane": "p_lane", "sync_pool": "p_pool", "sync_profile": "p_profile"}
@@ -84,6 +88,9 @@ NEUTRAL = {
     "p_after_seconds", "p_signal", "p_idle_seconds", "p_overdue_grace_seconds", "p_split",
     "p_max_attempts", "p_title", "p_run_at", "p_max_cost_usd", "p_max_tokens", "p_throttle_floor", "p_path",
     "p_failures_before", "p_by",
+    # a source's pass: what the tracker said
+    "p_items", "p_pr", "p_cache", "p_cursor", "p_resume_at", "p_sha", "p_runs", "p_verdict", "p_revert_sha",
+    "p_reverted_at", "p_value",
     # rows of a table: the private helpers that take one (no key role may call them)
     "b", "m", "t", "l",
     # a private helper of fleet.route (no key role may call it): the task already holding a key
