@@ -12,6 +12,7 @@ merge outside the fleet ends the task, and a revert within 7 days counts as a re
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -218,7 +219,16 @@ def test_closed_unlabelled_and_reopened_issues_advance_their_tasks_in_one_pass(w
 
 
 def test_an_issue_closed_mid_run_frees_its_slot_at_once_and_stops_the_agent_within_one_heartbeat(
-        world: World) -> None:
+        backend: Backend, tmp_path: Path, github: GitHubStandIn) -> None:
+    """The seed failure: an issue closed outside the scheduler whose slot stayed taken for hours."""
+    world = World(backend, tmp_path, github, {"bugfix": lane_defaults(), "docs": lane_defaults()})
+    try:
+        _closed_mid_run(world)
+    finally:
+        world.fleet.close()
+
+
+def _closed_mid_run(world: World) -> None:
     gh = world.gh
     n = gh.add_issue(REPO, "long work", "", ["fleet:bugfix"])
     world.sync()
@@ -352,3 +362,23 @@ def test_fleet_sources_sync_says_one_line_and_never_prints_the_token(world: Worl
     assert world.gh.token not in ok.stdout + ok.stderr
     unknown = world.fleet.cli("sources", "sync", "nope", env=env)
     assert unknown.returncode == 1 and "unknown source 'nope'" in unknown.stderr
+
+
+def test_the_monitor_pass_runs_the_sources(world: World) -> None:
+    n = world.gh.add_issue(REPO, "one", "", ["fleet:bugfix"])
+    env = world.fleet.env("operator") | {TOKEN_ENV: world.gh.token}
+    out = world.fleet.cli("monitor", "--once", "--json", "--no-local", env=env)
+    assert out.returncode == 0, out.stderr
+    actions = json.loads(out.stdout)
+    (synced,) = [a for a in actions if a["action"] == "source_synced"]
+    assert synced["detail"]["source"] == "gh" and synced["detail"]["created"] == 1
+    assert world.task_of(n)["state"] == "queued"
+    quiet = world.fleet.cli("monitor", "--once", "--json", "--no-local", env=env)
+    assert not [a for a in json.loads(quiet.stdout) if a["action"].startswith("source")]  # nothing new: no line
+    world.gh.exhaust(reset_in=3600)
+    world.gh.add_issue(REPO, "two", "", ["fleet:bugfix"])
+    world.fleet.sql("update fleet.sources set cursor = cursor - interval '1 hour'")  # something to read
+    stopped = world.fleet.cli("monitor", "--once", "--json", "--no-local", env=env)
+    assert stopped.returncode == 0, stopped.stderr  # the repairs still ran; the source says why it stopped
+    (failed,) = [a for a in json.loads(stopped.stdout) if a["action"] == "source_failed"]
+    assert "rate limit" in failed["detail"]["summary"]

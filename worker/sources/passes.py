@@ -56,15 +56,16 @@ class PassReport:
 
     def line(self) -> str:
         """One line for a person."""
+        own = f"source {self.source}: "
         if self.skipped:
-            return f"source {self.source}: {self.skipped}"
+            return own + self.skipped.removeprefix(own)
         done = ", ".join(f"{n} {a}" for a, n in sorted(self.actions.items()) if a != "unchanged") or "nothing changed"
         t = self.traffic
         line = (f"source {self.source}: {self.items} item(s) read, {done}; {t.requests} request(s), "
                 f"{t.not_modified} answered from the cache (304)")
         if t.waited_seconds:
             line += f", {t.waited_seconds:.0f} s waited for the rate limit"
-        return line + (f"; stopped: {self.error}" if self.error else "")
+        return line + (f"; stopped: {self.error.removeprefix(own)}" if self.error else "")
 
 
 def source_token(name: str, source: SourceConfig, cfg: FleetConfig, environ: Mapping[str, str]) -> str:
@@ -263,7 +264,6 @@ def run_pass(store: Store, cfg: FleetConfig, name: str, *, environ: Mapping[str,
                 "p_error": work.report.error})
         finally:
             tracker.close()
-    log.info("source pass", source=name, line=work.report.line())
     return work.report
 
 
@@ -276,5 +276,6 @@ def run_passes(store: Store, cfg: FleetConfig, names: list[str] | None = None,
         try:
             reports.append(run_pass(store, cfg, name, environ=environ))
         except ConfigError as exc:
-            reports.append(PassReport(name, error=str(exc), skipped=f"cannot start: {exc}"))
+            reports.append(PassReport(name, error=str(exc),
+                                      skipped=f"cannot start: {str(exc).removeprefix(f'source {name}: ')}"))
     return reports
