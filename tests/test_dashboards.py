@@ -366,11 +366,17 @@ def test_fleet_stats_shows_the_split_when_the_window_saw_a_batch(conn: psycopg.C
 
 def test_fleet_stats_shows_the_misclassification_rate_of_a_triage_lane(conn: psycopg.Connection, db_url: str,
                                                                        tmp_path: Path) -> None:
-    """triage sends three tasks to fix (one done, one failed there, one open) and one to docs, which
-    routes it on; plain, no triage lane, sends one to fix: no verdict."""
-    for lane, settings in (("triage", {"config": {"triage": True}}), ("plain", {}),
-                           ("fix", {"backoff_base_seconds": 0}), ("docs", {})):
-        conn.execute("select fleet.sync_lane(%s, %s)", (lane, Jsonb(settings)))
+    """triage (triage = true in fleet.toml) sends three tasks to fix (one done, one failed there, one
+    open) and one to docs, which routes it on; plain, no triage lane, sends one to fix: no verdict."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "lane.md").write_text("Do the task.\n")
+    agent = f'command = ["python", "-m", "worker.dev.example_agent", "{{prompt_file}}"]\ninstructions = "{home}/lane.md"'
+    (home / "fleet.toml").write_text(f"[lanes.triage]\n{agent}\ntriage = true\n\n[lanes.plain]\n{agent}\n\n"
+                                     f"[lanes.fix]\n{agent}\nbackoff_base_seconds = 0\n\n[lanes.docs]\n{agent}\n")
+    synced = json.loads(ok(run_fleet("lanes", "sync", "--json", url=db_url, home=home)))
+    assert synced["synced"] == {lane: "created" for lane in ("triage", "plain", "fix", "docs")}
+    assert synced["paused"] == {}
     sessions = {lane: open_session(conn, lane) for lane in ("triage", "plain", "fix", "docs")}
 
     def lease(task_id: int) -> Any:
@@ -390,9 +396,6 @@ def test_fleet_stats_shows_the_misclassification_rate_of_a_triage_lane(conn: psy
     onward = triaged("t4", "docs")
     route(conn, onward, lease(onward), "fix")
     triaged("p1", "fix", source="plain")
-    home = tmp_path / "home"
-    home.mkdir()
-    (home / "fleet.toml").write_text(FLEET_TOML)
 
     data = json.loads(ok(run_fleet("stats", "--json", url=db_url, home=home)))
     figures = ("triage_lane", "verdict_lane", "verdicts", "misclassified", "routed_again", "failed", "correct",
