@@ -148,9 +148,10 @@ def world(db_url: str) -> dict[str, Any]:
     return build_history(db_url)
 
 
-def run_fleet(*args: str, url: str, home: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_fleet(*args: str, url: str, home: Path, timeout: float = 120,
+              columns: int = 220) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_") and k != "DATABASE_URL"}
-    env.update({"DATABASE_URL": url, "FLEET_CONFIG": str(home / "fleet.toml"), "COLUMNS": "220"})
+    env.update({"DATABASE_URL": url, "FLEET_CONFIG": str(home / "fleet.toml"), "COLUMNS": str(columns)})
     return subprocess.run([sys.executable, "-c", BOOT, *args], cwd=home, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -298,8 +299,9 @@ def test_status_watch_refreshes_in_place_until_ctrl_c(db_url: str, home: Path) -
 def test_stats_json(db_url: str, home: Path, world: dict[str, Any]) -> None:
     data = json.loads(ok(run_fleet("stats", "--json", url=db_url, home=home)))
     assert set(data) == {"as_of", "since", "usage", "usage_totals", "usage_total", "cohort", "cohort_by_lane",
-                         "cohort_split"}
+                         "cohort_split", "triage"}
     assert data["cohort_split"] == []  # no batch in the window: no split table
+    assert data["triage"] == []  # docs routed d7 to review, but docs is no triage lane
     totals = {row["lane"]: row for row in data["usage_totals"]}
     docs_tokens = {k: sum(TOKENS[t][k] for t in ("d1", "d2", "d3", "d7")) for k in KINDS}
     assert {k: totals["docs"][k] for k in ["runs", "completed", *KINDS]} == {
@@ -360,6 +362,66 @@ def test_fleet_stats_shows_the_split_when_the_window_saw_a_batch(conn: psycopg.C
     assert "batched vs unbatched" in out
     batched = next(line for line in out.splitlines() if line.strip().strip("│┃ ").startswith("batched"))
     assert "66.7%" in batched  # 2 of 3 members evicted
+
+
+def test_fleet_stats_shows_the_misclassification_rate_of_a_triage_lane(conn: psycopg.Connection, db_url: str,
+                                                                       tmp_path: Path) -> None:
+    """triage (triage = true in fleet.toml) sends three tasks to fix (one done, one failed there, one
+    open) and one to docs, which routes it on; plain, no triage lane, sends one to fix: no verdict."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "lane.md").write_text("Do the task.\n")
+    agent = f'command = ["python", "-m", "worker.dev.example_agent", "{{prompt_file}}"]\ninstructions = "{home}/lane.md"'
+    (home / "fleet.toml").write_text(f"[lanes.triage]\n{agent}\ntriage = true\n\n[lanes.plain]\n{agent}\n\n"
+                                     f"[lanes.fix]\n{agent}\nbackoff_base_seconds = 0\n\n[lanes.docs]\n{agent}\n")
+    synced = json.loads(ok(run_fleet("lanes", "sync", "--json", url=db_url, home=home)))
+    assert synced["synced"] == {lane: "created" for lane in ("triage", "plain", "fix", "docs")}
+    assert synced["paused"] == {}
+    sessions = {lane: open_session(conn, lane) for lane in ("triage", "plain", "fix", "docs")}
+
+    def lease(task_id: int) -> Any:
+        lane = one(conn, "select lane from fleet.tasks where id = %s", (task_id,))
+        return take(conn, sessions[lane], task_id)["lease_token"]
+
+    def triaged(key: str, to: str, source: str = "triage") -> int:
+        task_id = enqueue(conn, source, key)
+        route(conn, task_id, lease(task_id), to)
+        return task_id
+
+    done = triaged("t1", "fix")
+    complete(conn, done, lease(done))
+    failed = triaged("t2", "fix")
+    fail(conn, failed, lease(failed), "not a fix after all")
+    triaged("t3", "fix")
+    onward = triaged("t4", "docs")
+    route(conn, onward, lease(onward), "fix")
+    triaged("p1", "fix", source="plain")
+
+    data = json.loads(ok(run_fleet("stats", "--json", url=db_url, home=home)))
+    figures = ("triage_lane", "verdict_lane", "verdicts", "misclassified", "routed_again", "failed", "correct",
+               "undecided", "misclassification_rate")
+    assert [tuple(r[k] for k in figures) for r in data["triage"]] == [
+        ("triage", None, 4, 2, 1, 1, 1, 1, pytest.approx(0.6667)),
+        ("triage", "docs", 1, 1, 1, 0, 0, 0, 1),
+        ("triage", "fix", 3, 1, 0, 1, 1, 1, 0.5)]
+    # --lane: the verdicts from that lane or to it
+    assert [r["verdict_lane"] for r in json.loads(ok(run_fleet("stats", "--json", "--lane", "docs", url=db_url,
+                                                               home=home)))["triage"]] == [None, "docs"]
+    assert json.loads(ok(run_fleet("stats", "--json", "--lane", "plain", url=db_url, home=home)))["triage"] == []
+
+    # the table fits 80 columns, the rate shown
+    out = ok(run_fleet("stats", url=db_url, home=home, columns=80))
+    assert "triage: verdicts since" in out
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if "triage: verdicts since" in line)
+    table = lines[start:]
+    assert max(len(line) for line in table) <= 80, "\n".join(table)
+    header = next(line for line in table if "misclassified" in line)
+    assert "rate" in header and "undecided" in header
+    rows = {tuple(cell.strip() for cell in line.strip("│┃ ").split("│")[:2]): line for line in table
+            if line.startswith("│")}
+    assert "66.7%" in rows[("triage", "all")] and "50.0%" in rows[("triage", "fix")]
+    assert "100.0%" in rows[("triage", "docs")]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -285,6 +285,9 @@ class LaneConfig(_AgentAccess):
     daily_budget_tokens: int | None = Field(default=None, gt=0)
     review: bool = False  # a completed task waits in `review` for `fleet review approve|reject`
     review_cap: int | None = Field(default=None, ge=1)  # no claims while this many wait in review
+    # a triage lane: its routes are verdicts (the lane a task belongs in), and `fleet stats` shows how
+    # often a verdict was wrong (the task later left that lane: routed again, evicted, failed there)
+    triage: bool = False
     workspace_retention: float = 7 * 86400.0  # a finished task's workspace is reaped after this
     # git workspaces: each task works in a worktree of a per-host mirror of `repo`, on branch
     # fleet/<lane>/<task key> cut from `base` at its first claim

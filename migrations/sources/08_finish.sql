@@ -250,7 +250,9 @@ grant execute on function fleet.hand_off(bigint,uuid,jsonb) to fleet_worker, ser
 -- This stage is done: the same task goes on in lane p_lane, its counters fresh, its stages kept.
 -- Refused (LF007, nothing changed) when p_lane does not accept routes from the task's lane, and
 -- when p_lane has another task of the task's key (keys are per lane, fleet._key_holder: the one in
--- it, or one that was in it and moved on); the task keeps its key in the lane it leaves.
+-- it, or one that was in it and moved on); the task keeps its key in the lane it leaves. A route out
+-- of a triage lane (its config says triage) is a verdict: the routed event says detail.verdict, the
+-- lane the task was judged to belong in (fleet.triage_metrics counts how often that was wrong).
 create or replace function fleet.route(p_task bigint, p_token uuid, p_lane text, p_note jsonb default null)
 returns text
 language plpgsql
@@ -262,6 +264,7 @@ declare
     target fleet.lanes;
     v_holder bigint;
     v_holder_lane text;
+    v_triage boolean;
 begin
     perform fleet._require_lane(p_lane);
     target := fleet._lane(p_lane);
@@ -302,8 +305,10 @@ begin
         perform fleet._route_key_taken(t, p_lane, v_holder, v_holder_lane);
     end;
     perform fleet._end_run(p_token, 'routed');
+    select coalesce((l.config ->> 'triage')::boolean, false) into v_triage from fleet.lanes l where l.name = t.lane;
     perform fleet._event('routed', t.lane, p_task, t.session_id,
-        jsonb_build_object('from', t.lane, 'to', p_lane, 'note', p_note));
+        jsonb_build_object('from', t.lane, 'to', p_lane, 'note', p_note)
+        || case when v_triage then jsonb_build_object('verdict', p_lane) else '{}' end);
     return 'queued';
 end
 $$;

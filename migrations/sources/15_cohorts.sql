@@ -254,3 +254,81 @@ comment on function fleet.cohort_metrics(timestamptz, timestamptz, text) is
     'tasks apart. Cost follows the cohort''s size (tasks_created, runs_started or runs_task).';
 revoke all on function fleet.cohort_metrics(timestamp with time zone,timestamp with time zone,text) from public;
 grant execute on function fleet.cohort_metrics(timestamp with time zone,timestamp with time zone,text) to fleet_operator, service_role;
+
+-- Triage with a denominator (issue #21): the verdicts of the triage lanes in a window, and how many
+-- were wrong.
+create or replace function fleet.triage_metrics(p_from timestamptz, p_to timestamptz, p_lane text default null)
+returns table (
+    triage_lane text,
+    verdict_lane text,
+    window_from timestamptz,
+    window_to timestamptz,
+    verdicts bigint,
+    misclassified bigint,
+    routed_again bigint,
+    evicted bigint,
+    failed bigint,
+    correct bigint,
+    cancelled bigint,
+    undecided bigint,
+    misclassification_rate numeric)
+language sql
+stable
+as $$
+    with verdict as (
+        -- the verdicts given in [p_from, p_to): routes out of a triage lane, which fleet.route marks
+        -- with detail.verdict (events_kind_ts). A verdict counts only for a key that may work both
+        -- lanes: what became of it is read in the verdict lane (security invoker, the row policies).
+        select e.id, e.task_id, e.lane as triage_lane, e.detail ->> 'verdict' as verdict_lane
+          from fleet.events e
+         where e.kind = 'routed' and e.ts >= p_from and e.ts < p_to and e.detail ? 'verdict'
+           and (p_lane is null or p_lane in (e.lane, e.detail ->> 'verdict'))
+           and fleet._lane_allowed(e.lane) and fleet._lane_allowed(e.detail ->> 'verdict')
+    ), judged as (
+        -- each verdict's first miss: the first thing the task did in the verdict lane, after the
+        -- verdict, that says it did not belong there (events_task). A route out of the lane ends the
+        -- task's stay there, so nothing after it (in a later stay) comes first.
+        select v.triage_lane, v.verdict_lane, t.state,
+               case when m.kind in ('handed_off', 'repaired') then 'failed'
+                    -- dead there by a way the events above do not name: failed there all the same
+                    when m.kind is null and t.state = 'dead' then 'failed'
+                    else m.kind end as miss
+          from verdict v
+          left join lateral (
+                select x.kind
+                  from fleet.events x
+                 where x.task_id = v.task_id and x.id > v.id and x.lane = v.verdict_lane
+                   and (x.kind in ('routed', 'evicted', 'failed')
+                        -- dead there without a failed attempt: past its hand-off or lost-run cap
+                        or (x.kind in ('handed_off', 'repaired') and x.detail ->> 'state' = 'dead'))
+                 order by x.id
+                 limit 1) m on true
+          left join fleet.tasks t on t.id = v.task_id
+    )
+    select j.triage_lane, j.verdict_lane, p_from, p_to,
+           count(*),
+           count(j.miss),
+           count(*) filter (where j.miss = 'routed'),
+           count(*) filter (where j.miss = 'evicted'),
+           count(*) filter (where j.miss = 'failed'),
+           count(*) filter (where j.miss is null and j.state = 'done'),
+           count(*) filter (where j.miss is null and j.state = 'cancelled'),
+           count(*) filter (where j.miss is null and j.state is distinct from 'done'
+                                  and j.state is distinct from 'cancelled'),
+           round(count(j.miss)::numeric
+                 / nullif(count(j.miss) + count(*) filter (where j.miss is null and j.state = 'done'), 0), 4)
+      from judged j
+     group by grouping sets ((j.triage_lane), (j.triage_lane, j.verdict_lane))
+     order by j.triage_lane, j.verdict_lane nulls first;
+$$;
+comment on function fleet.triage_metrics(timestamptz, timestamptz, text) is
+    'The verdicts of the triage lanes (lane setting triage: a route out of such a lane says which lane a '
+    'task belongs in) given in [p_from, p_to), per triage lane (verdict_lane null: all its verdicts) and per '
+    'triage and verdict lane; p_lane: only the verdicts from or to that lane. A verdict is misclassified '
+    'when its task later left the verdict lane: routed_again (routed out of it), evicted (from a batch '
+    'there), failed (a failed attempt there, or dead there), by the first of these; correct: done there '
+    'with none of them; cancelled: cancelled there; undecided: still open there. misclassification_rate = '
+    'misclassified / (misclassified + correct), the decided verdicts. A verdict counts for a key that may '
+    'work both its lanes.';
+revoke all on function fleet.triage_metrics(timestamp with time zone,timestamp with time zone,text) from public;
+grant execute on function fleet.triage_metrics(timestamp with time zone,timestamp with time zone,text) to fleet_operator, service_role;

@@ -79,6 +79,10 @@ select * from fleet.cohort_metrics(%(from)s::timestamptz, %(to)s::timestamptz, %
 -- The same cohort's batched and unbatched tasks apart (one row each).
 select * from fleet.cohort_split(%(from)s::timestamptz, %(to)s::timestamptz, %(lane)s::text);
 
+-- name: triage
+-- The verdicts of the triage lanes given in [from, to), and how many were wrong (per triage lane and verdict lane).
+select * from fleet.triage_metrics(%(from)s::timestamptz, %(to)s::timestamptz, %(lane)s::text);
+
 -- name: entry_lanes
 -- The lanes tasks entered the fleet by, among the tasks queued from %(since)s on (for per-lane cohorts).
 select distinct coalesce(t.stages -> 0 ->> 'lane', t.lane) as lane

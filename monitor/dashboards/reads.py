@@ -171,7 +171,9 @@ def stats_data(r: Reader, since_seconds: float, lane: str | None = None) -> dict
             "usage_total": _usage_sum(usage, None) if usage else None,
             "cohort": cohort, "cohort_by_lane": by_lane,
             # batched vs unbatched: only when the window saw a batch
-            "cohort_split": split if any(row["batch_members"] for row in split) else []}
+            "cohort_split": split if any(row["batch_members"] for row in split) else [],
+            # the triage lanes' verdicts of the window (none: no triage lane routed a task)
+            "triage": r.rows("triage", **{"from": since, "to": now, "lane": lane})}
 
 
 def snapshot_data(r: Reader, since_seconds: float, limit: int = 1000) -> dict[str, Any]:

@@ -182,14 +182,21 @@ def render_stats(data: dict[str, Any], wide: bool = False) -> RenderableType:
                        fmt_num(row["tokens_per_completed"]), fmt_cost(row["cost_per_completed"]),
                        f"{row['interventions']} ({row['operator_cancels']} cancels, "
                        f"{row['operator_retries']} retries)")
-    if not data.get("cohort_split"):
-        return Group(usage, cohort)
+    parts: list[RenderableType] = [usage, cohort]
+    if data.get("cohort_split"):
+        parts.append(_split_table(data["cohort_split"], wide))
+    if data.get("triage"):
+        parts.append(_triage_table(data["triage"], since, wide))
+    return Group(*parts)
+
+
+def _split_table(rows: list[dict[str, Any]], wide: bool) -> FitTable:
     split = FitTable([Col("cohort", "key"), Col("tasks", "num"), Col("done", "num"), Col("makespan", "num", 2),
                       Col("tokens/done", "num", 2), Col("cache-read share", "num", 3), Col("cost/done", "num"),
                       Col("ship runs/done", "num", 3), Col("batches", "num", 4), Col("members", "num", 1),
                       Col("evicted", "key", 1), Col("blocks", "num", 4), Col("interventions", "num", 4)],
                      title="the same cohort, batched vs unbatched (fleet.cohort_split)", wide=wide)
-    for row in data["cohort_split"]:
+    for row in rows:
         split.add_row(row["cohort"], str(row["tasks"]), str(row["completed"]), fmt_secs(row["makespan_seconds"]),
                       fmt_num(row["tokens_per_completed"]), fmt_share(row["cache_read_share"]),
                       fmt_cost(row["cost_per_completed"]),
@@ -197,4 +204,30 @@ def render_stats(data: dict[str, Any], wide: bool = False) -> RenderableType:
                       str(row["batches"]), str(row["batch_members"]),
                       f"{row['evicted']} ({fmt_share(row['eviction_rate'])})" if row["batch_members"] else "—",
                       str(row["blocks"]), str(row["interventions"]))
-    return Group(usage, cohort, split)
+    return split
+
+
+def _triage_table(rows: list[dict[str, Any]], since: datetime, wide: bool) -> FitTable:
+    """The verdicts of each triage lane (fleet.triage_metrics): per verdict lane, and the lane's
+    total above them when it sent tasks to more than one lane (one would only repeat it)."""
+    table = FitTable([Col("triage lane", "key"), Col("verdict", "key"), Col("verdicts", "num"),
+                      Col("misclassified", "num"), Col("rate", "num"), Col("undecided", "num"),
+                      Col("correct", "num", 1), Col("routed again", "num", 3), Col("evicted", "num", 3),
+                      Col("failed", "num", 2), Col("cancelled", "num", 4)],
+                     title=f"triage: verdicts since {since:%Y-%m-%d %H:%M} UTC (fleet.triage_metrics)",
+                     caption="misclassified: the task left the verdict lane (routed again, evicted, failed "
+                             "there); rate: of the decided", wide=wide)
+    by_lane: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_lane.setdefault(row["triage_lane"], []).append(row)
+    for n, (lane, lane_rows) in enumerate(by_lane.items()):
+        if n:
+            table.add_section()
+        verdicts = [r for r in lane_rows if r["verdict_lane"] is not None]
+        total = [r for r in lane_rows if r["verdict_lane"] is None and len(verdicts) > 1]
+        for row in total + verdicts:
+            table.add_row(escape(lane), "[bold]all[/]" if row["verdict_lane"] is None else escape(row["verdict_lane"]),
+                          str(row["verdicts"]), _red(row["misclassified"]), fmt_share(row["misclassification_rate"]),
+                          str(row["undecided"]), str(row["correct"]), str(row["routed_again"]), str(row["evicted"]),
+                          str(row["failed"]), str(row["cancelled"]))
+    return table

@@ -41,6 +41,7 @@ def lane_settings(lane: LaneConfig, dispatch: list[dict[str, str]] | None = None
             "daily_budget_tokens": lane.daily_budget_tokens,
             "review": lane.review,
             "review_cap": lane.review_cap,
+            "triage": lane.triage,
             "workspace_retention_seconds": lane.workspace_retention,
             "max_transient": lane.max_transient,
             "max_payload_bytes": lane.max_payload_bytes,
