@@ -100,6 +100,15 @@ def test_issue_to_done_through_a_red_then_green_ci(backend: Backend, tmp_path: P
         assert w.events(task["id"], "regression")[-1]["merged_sha"] == merge
         w.sync()
         assert len(github.comments_of(REPO, n)) == 1
+
+        # the cohort figures: one task with a PR, two CI executions over two cycles, one regression
+        (cohort,) = w.fleet.sql("select * from fleet.cohort_metrics(now() - interval '1 hour', now() + interval '1 hour')")
+        assert (cohort["ci_tasks"], cohort["ci_executions"], cohort["ci_cycles"], cohort["regressions"]) == (1, 2, 2, 1)
+        assert cohort["ci_executions_per_task"] == 2
+        if not backend.rest:  # (`fleet stats` reads the database itself)
+            stats = w.fleet.cli("stats")
+            assert stats.returncode == 0, stats.stderr
+            assert "from sources" in stats.stdout and "regressions" in stats.stdout
     finally:
         w.fleet.close()
 

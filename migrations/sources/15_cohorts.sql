@@ -44,7 +44,12 @@ returns table (
     operator_cancels bigint,
     operator_retries bigint,
     operator_resumes bigint,
-    interventions bigint)
+    interventions bigint,
+    ci_tasks bigint,
+    ci_executions bigint,
+    ci_cycles bigint,
+    ci_executions_per_task numeric,
+    regressions bigint)
 language sql
 stable
 as $$
@@ -139,6 +144,18 @@ as $$
                count(*) filter (where kind = 'batch_shipped') as ships
           from (select * from task_events union all select * from batch_events) x
          group by arm
+    ), ci_totals as (
+        -- the tasks a source fed (source_items_task): those with a pull request, its CI executions
+        -- (workflow runs) and cycles (head SHAs checked), merges reverted within 7 days
+        select c.arm,
+               count(*) filter (where i.pr_number is not null) as ci_tasks,
+               coalesce(sum((select sum(coalesce((v ->> 'runs')::bigint, 0)) from jsonb_each(i.ci) e(sha, v))), 0)
+                   as executions,
+               coalesce(sum((select count(*) from jsonb_object_keys(i.ci))), 0) as cycles,
+               count(*) filter (where i.reverted_at is not null) as regressions
+          from cohort c
+          join fleet.source_items i on i.task_id = c.id
+         group by c.arm
     ), totals as (
         select arm,
                count(*) as tasks,
@@ -180,12 +197,16 @@ as $$
            round(coalesce(o.ships, 0)::numeric / nullif(t.completed, 0), 4),
            coalesce(o.blocks, 0),
            coalesce(o.cancels, 0), coalesce(o.retries, 0), coalesce(o.resumes, 0),
-           coalesce(o.cancels, 0) + coalesce(o.retries, 0) + coalesce(o.resumes, 0)
+           coalesce(o.cancels, 0) + coalesce(o.retries, 0) + coalesce(o.resumes, 0),
+           coalesce(ci.ci_tasks, 0), coalesce(ci.executions, 0)::bigint, coalesce(ci.cycles, 0)::bigint,
+           round(ci.executions::numeric / nullif(ci.ci_tasks, 0), 2),
+           coalesce(ci.regressions, 0)
       from arms a
       left join totals t on t.arm = a.arm
       left join run_totals u on u.arm = a.arm
       left join batch_totals bt on bt.arm = a.arm
       left join event_totals o on o.arm = a.arm
+      left join ci_totals ci on ci.arm = a.arm
      order by a.arm;
 $$;
 comment on function fleet.cohort_split(timestamptz, timestamptz, text, boolean) is
@@ -197,7 +218,9 @@ comment on function fleet.cohort_split(timestamptz, timestamptz, text, boolean) 
     'batched arm; lanefleet runs `ship` for batches only, so a single task''s shipping, inside its agent, '
     'is not counted), ship_runs_per_completed; blocks (a task''s '
     'or its batch''s blocked events); interventions = operator cancels + retries + resumes (`fleet '
-    'resume`, of a task or of its batch).';
+    'resume`, of a task or of its batch); for the tasks a source fed: ci_tasks (with a pull request), '
+    'ci_executions (workflow runs on it), ci_cycles (head SHAs whose checks were read), '
+    'ci_executions_per_task, regressions (merges reverted within 7 days).';
 revoke all on function fleet.cohort_split(timestamp with time zone,timestamp with time zone,text,boolean) from public;
 grant execute on function fleet.cohort_split(timestamp with time zone,timestamp with time zone,text,boolean) to fleet_operator, service_role;
 
@@ -231,7 +254,12 @@ returns table (
     cost_per_completed numeric,
     operator_cancels bigint,
     operator_retries bigint,
-    interventions bigint)
+    interventions bigint,
+    ci_tasks bigint,
+    ci_executions bigint,
+    ci_cycles bigint,
+    ci_executions_per_task numeric,
+    regressions bigint)
 language sql
 stable
 as $$
@@ -240,7 +268,8 @@ as $$
            s.runs, s.attempts_per_task, s.failures, s.handoffs, s.repairs, s.input_tokens,
            s.cache_creation_tokens, s.cache_read_tokens, s.output_tokens, s.total_tokens, s.cost_usd,
            s.tokens_per_completed, s.cost_per_completed, s.operator_cancels, s.operator_retries,
-           s.operator_cancels + s.operator_retries
+           s.operator_cancels + s.operator_retries,
+           s.ci_tasks, s.ci_executions, s.ci_cycles, s.ci_executions_per_task, s.regressions
       from fleet.cohort_split(p_from, p_to, p_lane, false) s;
 $$;
 comment on function fleet.cohort_metrics(timestamptz, timestamptz, text) is
@@ -250,7 +279,8 @@ comment on function fleet.cohort_metrics(timestamptz, timestamptz, text) is
     '(done or dead); wall-clock: per completed task, first claim -> finish (p50, p95); attempts_per_task: '
     'runs / tasks; failures, handoffs, repairs: runs that ended so; tokens and cost per completed task '
     '(failed attempts included); operator interventions: cancels and manual retries. Compare two cohorts '
-    'to judge a change to the fleet; fleet.cohort_split gives the same figures for batched and unbatched '
+    'to judge a change to the fleet; CI per task a source fed (ci_tasks, ci_executions, ci_cycles, '
+    'ci_executions_per_task, regressions: merges reverted within 7 days); fleet.cohort_split gives the same figures for batched and unbatched '
     'tasks apart. Cost follows the cohort''s size (tasks_created, runs_started or runs_task).';
 revoke all on function fleet.cohort_metrics(timestamp with time zone,timestamp with time zone,text) from public;
 grant execute on function fleet.cohort_metrics(timestamp with time zone,timestamp with time zone,text) to fleet_operator, service_role;

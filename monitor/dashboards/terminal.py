@@ -183,11 +183,27 @@ def render_stats(data: dict[str, Any], wide: bool = False) -> RenderableType:
                        f"{row['interventions']} ({row['operator_cancels']} cancels, "
                        f"{row['operator_retries']} retries)")
     parts: list[RenderableType] = [usage, cohort]
+    if any(row and row.get("ci_tasks") for row in rows):
+        parts.append(_ci_table([row for row in rows if row], since, wide))
     if data.get("cohort_split"):
         parts.append(_split_table(data["cohort_split"], wide))
     if data.get("triage"):
         parts.append(_triage_table(data["triage"], since, wide))
     return Group(*parts)
+
+
+def _ci_table(rows: list[dict[str, Any]], since: datetime, wide: bool) -> FitTable:
+    """The cohort's tasks a source fed: their pull requests' CI (executions: workflow runs; cycles:
+    head SHAs checked) and the merges reverted within 7 days."""
+    table = FitTable([Col("cohort", "key"), Col("with a PR", "num"), Col("CI runs", "num"), Col("cycles", "num"),
+                      Col("runs/task", "num", 1), Col("regressions", "num")],
+                     title=f"CI of the tasks queued since {since:%Y-%m-%d %H:%M} UTC from sources", wide=wide)
+    for row in rows:
+        table.add_row(escape(row["lane"]) if row["lane"] else "[bold]all lanes[/]", str(row["ci_tasks"]),
+                      str(row["ci_executions"]), str(row["ci_cycles"]),
+                      "—" if row["ci_executions_per_task"] is None else str(row["ci_executions_per_task"]),
+                      str(row["regressions"]))
+    return table
 
 
 def _split_table(rows: list[dict[str, Any]], wide: bool) -> FitTable:

@@ -129,7 +129,8 @@ def test_cohort_metrics_of_a_known_cohort(conn: psycopg.Connection) -> None:
         "input_tokens": 400, "cache_creation_tokens": 40, "cache_read_tokens": 4000, "output_tokens": 80,
         "total_tokens": 4520, "cost_usd": Decimal("0.400000"),
         "tokens_per_completed": Decimal("904.0"), "cost_per_completed": Decimal("0.080000"),
-        "operator_cancels": 1, "operator_retries": 1, "interventions": 2}
+        "operator_cancels": 1, "operator_retries": 1, "interventions": 2,
+        "ci_tasks": 0, "ci_executions": 0, "ci_cycles": 0, "ci_executions_per_task": None, "regressions": 0}
     a = cohort("a")
     assert pick(a, "lane", "tasks", "completed", "dead", "cancelled", "open", "runs", "failures", "handoffs",
                 "repairs", "total_tokens", "interventions", "wall_p50_seconds") == {
@@ -205,7 +206,8 @@ def test_cohort_split_gives_the_batched_and_unbatched_figures_apart(conn: psycop
         "cost_per_completed": Decimal("0.020000"),
         "batches": 1, "batch_members": 3, "evicted": 2, "eviction_rate": Decimal("0.6667"),
         "ship_runs": 1, "ship_runs_per_completed": Decimal("0.5000"), "blocks": 0,
-        "operator_cancels": 0, "operator_retries": 0, "operator_resumes": 0, "interventions": 0}
+        "operator_cancels": 0, "operator_retries": 0, "operator_resumes": 0, "interventions": 0,
+        "ci_tasks": 0, "ci_executions": 0, "ci_cycles": 0, "ci_executions_per_task": None, "regressions": 0}
     u = got["unbatched"]
     assert {k: u[k] for k in ("tasks", "completed", "open", "runs", "total_tokens", "batches", "batch_members",
                               "eviction_rate", "ship_runs", "blocks", "operator_resumes", "interventions")} == {
