@@ -148,7 +148,12 @@ def source_passes(store: PostgresStore, cfg: FleetConfig) -> list[RepairAction]:
     from worker.sources.passes import run_passes
 
     out = []
-    for report in run_passes(store, cfg):
+    try:
+        reports = run_passes(store, cfg)
+    except FleetError as exc:  # the repairs above stand; the next pass tries the sources again
+        return [RepairAction(action="source_failed", lane=None, task_id=None, session_id=None,
+                             detail={"summary": f"the sources' pass failed: {exc}"})]
+    for report in reports:
         changed = {a: n for a, n in report.actions.items() if a != "unchanged"}
         if report.error or changed:
             out.append(RepairAction(action="source_failed" if report.error else "source_synced", lane=None,

@@ -7,14 +7,13 @@ later runs reuse it. Parallel test workers (pytest-xdist) serialise the install 
 
 from __future__ import annotations
 
-import fcntl
 import os
-import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+from npmkit import npm_install
 from psycopg.conninfo import conninfo_to_dict
 
 from worker.db.migrate import Migration
@@ -22,7 +21,6 @@ from worker.db.migrate import Migration
 VERSION = "2.117.0"
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".fleet" / "cache" / "supabase-cli"
-INSTALL_TIMEOUT = 600
 RUN_TIMEOUT = 180
 
 
@@ -52,31 +50,7 @@ def ensure_cli(folder: Path = CACHE) -> Path:
     Raises CliUnavailable if npm is missing; any other install failure is an error (RuntimeError).
     """
     binary = _binary(folder)
-    if _version(binary) == VERSION:
-        return binary
-    npm = shutil.which("npm")
-    if npm is None:
-        raise CliUnavailable("npm is not on PATH, so the Supabase CLI cannot be installed")
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".install.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another xdist worker may be installing it right now
-        if _version(binary) == VERSION:
-            return binary
-        (folder / "package.json").write_text('{"private": true}\n')
-        proc = subprocess.run(
-            [npm, "install", "--no-audit", "--no-fund", f"supabase@{VERSION}"],
-            cwd=folder,
-            capture_output=True,
-            text=True,
-            timeout=INSTALL_TIMEOUT,
-            check=False,
-        )
-        got = _version(binary)
-        if proc.returncode != 0 or got != VERSION:
-            raise RuntimeError(
-                f"npm install supabase@{VERSION} in {folder} failed (exit {proc.returncode}, "
-                f"CLI version {got!r}):\n{proc.stdout}\n{proc.stderr}"
-            )
+    npm_install(folder, "supabase", VERSION, lambda: _version(binary), CliUnavailable)
     return binary
 
 

@@ -354,7 +354,7 @@ BAD = [
     Bad("cancel-unknown", ["cancel", "no:such:key"], "no task with id or key"),
     Bad("retry-unknown", ["retry", "99999999"], "no task with id or key"),
     Bad("retry-queued", ["retry", "{queued}"], "only dead, cancelled or blocked tasks can be retried"),
-    Bad("cancel-done", ["cancel", "{done_key}"], "only queued, running or blocked tasks can be cancelled"),
+    Bad("cancel-done", ["cancel", "{done_key}"], "only queued, running, blocked or ci tasks can be cancelled"),
     Bad("state-unknown", ["tasks", "--state", "bogus"], "--state 'bogus' is not a task state"),
     Bad("config-max-running-enqueue", ["enqueue", "docs", "--key", "bad:20"], "lanes.docs.max_running",
         config="bad-max-running.toml", key="bad:20"),

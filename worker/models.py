@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 # (waiting for its pull request's checks: a source's pass moves it on).
 TASK_STATES = ("queued", "running", "blocked", "review", "batched", "ci", "done", "dead", "cancelled")
 FINISHED_STATES = ("done", "dead", "cancelled")
-WAITING_STATES = ("blocked", "review")  # open, but only a person moves them on
+WAITING_STATES = ("blocked", "review", "ci")  # open, but only a person (or the CI of a PR) moves them on
 
 
 class Heartbeat(dict[int, str]):

@@ -104,10 +104,10 @@ grant execute on function fleet.source_end(text,jsonb,timestamptz,timestamptz,te
 -- (external_advance, reason closed or unselected: a running agent stops at its next heartbeat);
 -- one that was not and is again queues its done or cancelled task again (reason reopened). Two
 -- hosts syncing the same item at once: the row lock orders them and the second changes nothing.
--- Returns (ref, task_id, action): created | linked | updated | cancelled | requeued | unchanged |
--- ignored.
+-- Returns (ref, task_id, action, note): created | linked | updated | cancelled | requeued |
+-- unchanged | ignored | refused (note: why the item cannot be a task of its lane; the rest go on).
 create or replace function fleet.source_sync(p_source text, p_items jsonb)
-returns table (ref text, task_id bigint, action text)
+returns table (ref text, task_id bigint, action text, note text)
 language plpgsql
 security definer
 set search_path = pg_catalog, fleet, pg_temp
@@ -124,6 +124,7 @@ declare
     v_task bigint;
     v_created boolean;
     v_action text;
+    v_note text;
     v_where text;
 begin
     s := fleet._source(p_source);
@@ -154,19 +155,30 @@ begin
             ref := e ->> 'ref';
             task_id := null;
             action := 'ignored';
+            note := null;
             return next;
             continue;
         end if;
         v_was := i.open and i.selected;
         v_action := 'unchanged';
+        v_note := null;
         if i.task_id is null then
             if v_now then
-                select q.task_id, q.created into v_task, v_created
-                  from fleet.enqueue_task(i.lane, e ->> 'key', coalesce(e -> 'payload', '{}'),
-                                          coalesce((e ->> 'priority')::int, 0), now(), null, e ->> 'title',
-                                          e ->> 'tier', e ->> 'profile') q;
-                update fleet.source_items x set task_id = v_task where x.id = i.id;
-                v_action := case when v_created then 'created' else 'linked' end;
+                begin
+                    select q.task_id, q.created into v_task, v_created
+                      from fleet.enqueue_task(e ->> 'lane', e ->> 'key', coalesce(e -> 'payload', '{}'),
+                                              coalesce((e ->> 'priority')::int, 0), now(), null, e ->> 'title',
+                                              e ->> 'tier', e ->> 'profile') q;
+                    -- (an item with no task yet goes where its labels say now)
+                    update fleet.source_items x set task_id = v_task, lane = e ->> 'lane' where x.id = i.id;
+                    v_action := case when v_created then 'created' else 'linked' end;
+                exception when sqlstate 'LF002' or sqlstate 'LF005' or sqlstate 'LF009' then
+                    -- this item cannot be a task of its lane (a payload too big, a tier the lane lacks, a
+                    -- retired lane): said, and the others go on; the next pass that reads it tries again
+                    get stacked diagnostics v_note = message_text;
+                    v_task := null;
+                    v_action := 'refused';
+                end;
             else
                 v_action := 'ignored';
             end if;
@@ -198,6 +210,7 @@ begin
         ref := i.ref;
         task_id := v_task;
         action := v_action;
+        note := v_note;
         return next;
     end loop;
 end

@@ -29,12 +29,9 @@ schemas once, when the description is loaded.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import re
-import shutil
-import subprocess
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,6 +41,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from jsonschema.protocols import Validator
+from npmkit import npm_install
 from openapi_schema_validator import OAS30ReadValidator, OAS30WriteValidator, oas30_format_checker
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT4
@@ -53,7 +51,6 @@ VERSION = "23.0.2"
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".fleet" / "cache" / "octokit-openapi"
 FILE = Path("node_modules") / "@octokit" / "openapi" / "generated" / "api.github.com.json"
-INSTALL_TIMEOUT = 600
 DOC_URI = "urn:github-rest-api-description"  # the description's base URI for its "#/..." references
 
 METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
@@ -81,31 +78,7 @@ def ensure_description(folder: Path = CACHE) -> Path:
 
     Raises NpmUnavailable if npm is missing; any other install failure is a RuntimeError.
     """
-    if _installed(folder) == VERSION:
-        return folder / FILE
-    npm = shutil.which("npm")
-    if npm is None:
-        raise NpmUnavailable(f"npm is not on PATH, so {PACKAGE}@{VERSION} cannot be installed")
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".install.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another xdist worker may be installing it right now
-        if _installed(folder) == VERSION:
-            return folder / FILE
-        (folder / "package.json").write_text('{"private": true}\n')
-        proc = subprocess.run(
-            [npm, "install", "--no-audit", "--no-fund", f"{PACKAGE}@{VERSION}"],
-            cwd=folder,
-            capture_output=True,
-            text=True,
-            timeout=INSTALL_TIMEOUT,
-            check=False,
-        )
-        got = _installed(folder)
-        if proc.returncode != 0 or got != VERSION:
-            raise RuntimeError(
-                f"npm install {PACKAGE}@{VERSION} in {folder} failed (exit {proc.returncode}, "
-                f"installed version {got!r}):\n{proc.stdout}\n{proc.stderr}"
-            )
+    npm_install(folder, PACKAGE, VERSION, lambda: _installed(folder), NpmUnavailable)
     return folder / FILE
 
 

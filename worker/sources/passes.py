@@ -53,6 +53,7 @@ class PassReport:
     actions: Counter[str] = field(default_factory=Counter)
     traffic: Traffic = field(default_factory=Traffic)
     resume_at: datetime | None = None
+    refused: list[str] = field(default_factory=list)  # items that cannot be tasks: "<ref>: why"
 
     def line(self) -> str:
         """One line for a person."""
@@ -65,6 +66,8 @@ class PassReport:
                 f"{t.not_modified} answered from the cache (304)")
         if t.waited_seconds:
             line += f", {t.waited_seconds:.0f} s waited for the rate limit"
+        if self.refused:
+            line += "; refused: " + "; ".join(self.refused[:3]) + (" …" if len(self.refused) > 3 else "")
         return line + (f"; stopped: {self.error.removeprefix(own)}" if self.error else "")
 
 
@@ -179,6 +182,8 @@ class SourcePass:
         for start in range(0, len(entries), SYNC_PAGE):
             for row in self.call("source_sync", p_items=entries[start:start + SYNC_PAGE]):
                 self.report.actions[str(row["action"])] += 1
+                if row["action"] == "refused":
+                    self.report.refused.append(f"{row['ref']}: {row['note']}")
         return new_cursor
 
     # -- 4. write-backs and reverts

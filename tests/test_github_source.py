@@ -382,3 +382,22 @@ def test_the_monitor_pass_runs_the_sources(world: World) -> None:
     assert stopped.returncode == 0, stopped.stderr  # the repairs still ran; the source says why it stopped
     (failed,) = [a for a in json.loads(stopped.stdout) if a["action"] == "source_failed"]
     assert "rate limit" in failed["detail"]["summary"]
+
+
+def test_an_issue_that_cannot_be_a_task_is_refused_and_the_others_go_on(db_url: str, tmp_path: Path,
+                                                                       github: GitHubStandIn) -> None:
+    w = World(Backend("postgres", db_url), tmp_path, github,
+              {"bugfix": lane_defaults(max_payload_bytes=2000), "docs": lane_defaults()})
+    try:
+        huge = github.add_issue(REPO, "a log pasted whole", "x" * 5000, ["fleet:bugfix"])
+        fine = github.add_issue(REPO, "a short one", "", ["fleet:bugfix"])
+        report = run_pass(w.fleet.monitor_store, w.fleet.cfg, "gh", environ=w.environ)
+        assert report.error is None and report.actions["created"] == 1 and report.actions["refused"] == 1
+        assert f"{REPO}#{huge}: payload is" in report.line() and "max_payload_bytes" in report.line()
+        assert w.task_of(fine)["state"] == "queued"
+        assert w.item(huge)["task_id"] is None
+        github.set_labels(REPO, huge, ["fleet:docs"])  # re-labelled: a lane that takes it
+        assert run_pass(w.fleet.monitor_store, w.fleet.cfg, "gh", environ=w.environ).actions["created"] == 1
+        assert w.task_of(huge)["lane"] == "docs" and w.item(huge)["lane"] == "docs"
+    finally:
+        w.fleet.close()

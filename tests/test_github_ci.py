@@ -13,7 +13,7 @@ import pytest
 from fleetkit import AGENT, Backend, lane_defaults
 from github_api.stand_in import GitHubStandIn
 from gitkit import bare_origin, git
-from test_sources import REPO, World
+from test_github_source import REPO, World
 
 from worker.workspace.git import branch_name
 
