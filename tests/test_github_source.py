@@ -401,3 +401,17 @@ def test_an_issue_that_cannot_be_a_task_is_refused_and_the_others_go_on(db_url: 
         assert w.task_of(huge)["lane"] == "docs" and w.item(huge)["lane"] == "docs"
     finally:
         w.fleet.close()
+
+
+def test_a_token_never_crosses_the_network_in_clear_text(tmp_path: Path) -> None:
+    toml = tmp_path / "fleet.toml"
+    toml.write_text(f"""
+[lanes.bugfix]
+command = {AGENT!r}
+[sources.gh]
+repository = "acme/widgets"
+api_url = "http://github.example.com/api/v3"
+labels = {{ "fleet:bugfix" = "bugfix" }}
+""".replace("'", '"'))
+    with pytest.raises(ConfigError, match=r"sources\.gh\.api_url: .*clear text; use https"):
+        load_config(toml)

@@ -440,8 +440,14 @@ class SourceConfig(_Strict):
     @field_validator("api_url")
     @classmethod
     def _api_url(cls, v: str) -> str:
-        if not re.match(r"^https?://[^\s/]+", v):
+        from urllib.parse import urlsplit
+
+        url = urlsplit(v)
+        if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"{v!r} is not an http(s) URL")
+        if url.scheme == "http" and url.hostname not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"{v!r}: the token would cross the network in clear text; use https "
+                             "(plain http only to a loopback address)")
         return v.rstrip("/")
 
     @field_validator("priority")

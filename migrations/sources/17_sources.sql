@@ -271,6 +271,7 @@ begin
      where i.source = p_source
        and fleet._lane_allowed(t.lane)
        and (t.state in ('running', 'ci', 'review', 'blocked')
+            or (t.state = 'queued' and i.pr_number is not null)  -- back to its agent after a red CI
             or (t.state in ('done', 'dead') and t.finished_at > now() - interval '30 days'
                 and not coalesce(i.posts ? (o.outcome ->> 'key'), false))
             or (i.merged_at > now() - interval '7 days' and i.reverted_at is null)
