@@ -256,7 +256,8 @@ def test_lease_held_in_sql_and_its_security(conn: psycopg.Connection) -> None:
     assert held(token, task + 1000) == (False, "unknown", False)
     # the lease follows the session: its last heartbeat 59.5 s ago leaves half a second
     conn.execute("update fleet.sessions set heartbeat_at = now() - interval '59.5 s' where id = %s", (s,))
-    assert held(token) == (True, "running", True) and abs(valid_for() - 0.5) < 0.01
+    # (less by the time between the update and the read: milliseconds, or more on a loaded machine)
+    assert held(token) == (True, "running", True) and 0.2 < valid_for() <= 0.5
     conn.execute("update fleet.sessions set heartbeat_at = now() - interval '61 s' where id = %s", (s,))
     # run out by the database's clock, not repaired yet: not held, but still this token's
     assert held(token) == (False, "running", True) and valid_for() == 0
