@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 from fleetkit import Backend, Fleet
-from web.world import PROFILES, lane
 
 from monitor.web.app import Console, server
 from monitor.web.auth import Access
+from web.world import PROFILES, lane
 
 CSRF = re.compile(r'name="csrf" value="([^"]+)"')
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 from fleetkit import Fleet
+
 from web.world import build
 
 
