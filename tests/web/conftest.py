@@ -89,3 +89,10 @@ def console(fleet: Fleet) -> Iterator[Callable[..., Running]]:
     yield start
     for it in started:
         next(it, None)
+
+
+@pytest.fixture(scope="session")
+def browser():  # -> playwright Browser
+    from web.browser import launch
+
+    yield from launch()
