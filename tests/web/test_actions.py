@@ -161,3 +161,34 @@ def test_a_non_loopback_bind_without_a_credential_refuses_to_start(fleet: Fleet)
     listed = subprocess.run([sys.executable, "-m", "monitor.cli", "--help"], cwd=ROOT, capture_output=True,
                             text=True).stdout
     assert "│ web " in listed and "The live console" in listed
+
+
+def test_fleet_web_serves_the_fleet_of_its_config(fleet: Fleet) -> None:
+    """`fleet web` itself, as a host runs it: the config's store (Supabase's API with the host's
+    operator key on the supabase back-end), on a free loopback port, stopped by its pid."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    task = fleet.enqueue("other", "served", {})
+    proc = subprocess.Popen([sys.executable, "-m", "monitor.cli", "web", "--bind", f"127.0.0.1:{port}"],
+                            cwd=ROOT, env=fleet.env("operator"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "fleet web did not answer in 60 s"
+            time.sleep(0.2)
+        page = httpx.get(f"http://127.0.0.1:{port}/tasks", params={"lane": "other"}, timeout=30)
+        assert page.status_code == 200 and f'data-task="{task}"' in page.text
+        assert fleet.backend.name in page.text.split('class="who"', 1)[1][:100]  # the store it reads
+    finally:
+        proc.terminate()
+        proc.wait(20)
