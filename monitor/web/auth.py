@@ -33,6 +33,7 @@ from worker.store.supabase import SupabaseStore
 
 COOKIE = "lf_console"
 SESSION_SECONDS = 12 * 3600
+MAX_SESSIONS = 5000  # beyond it the oldest go first: a client that never keeps its cookie costs nothing lasting
 Store = PostgresStore | SupabaseStore
 
 
@@ -107,6 +108,9 @@ class Access:
             if found is not None:
                 found.seen = now
                 return found, False
+            if len(self.sessions) >= MAX_SESSIONS:
+                for old in sorted(self.sessions, key=lambda k: self.sessions[k].seen)[:MAX_SESSIONS // 10]:
+                    self._drop(old)
             fresh = Visitor(sid=secrets.token_urlsafe(32))
             self.sessions[fresh.sid] = fresh
             return fresh, True
