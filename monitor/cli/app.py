@@ -16,7 +16,7 @@ from collections.abc import Callable
 import typer
 from rich.markup import escape
 
-from monitor.cli import dashboards, run, workspaces
+from monitor.cli import dashboards, run, web, workspaces
 from worker.cli import (
     batch,
     db,
@@ -59,7 +59,7 @@ app.command("guard", context_settings=guard.PASS_ON, add_help_option=False)(guar
 
 # the monitor side
 for command in (run.monitor, run.run, run.crontab, run.up, dashboards.status, dashboards.stats,
-                dashboards.snapshot, dashboards.report, workspaces.workspaces):
+                dashboards.snapshot, dashboards.report, web.web, workspaces.workspaces):
     app.command()(command)
 
 

@@ -318,3 +318,25 @@ def chart_repairs(d: ReportData) -> str:
     if not reasons:
         p.body.append(f'<text x="{W / 2}" y="{H / 2}" class="empty" text-anchor="middle">no repairs in this window</text>')
     return p.svg(ticks, "Repairs over time — evaporated claims the monitor released, by reason")
+
+
+def sparkline(values: Sequence[float], *, name: str, title: str, color: str = PALETTE[0],
+              width: int = 120, height: int = 28) -> str:
+    """A small SVG line of ``values`` (oldest first) from 0 to their peak, with a dot on the last
+    one: the console's lanes and pools (monitor/web), drawn here with the report's charts."""
+    top, _ = nice_ticks(max([*values, 1]), integer=True)
+    n = max(len(values) - 1, 1)
+    pad = 2.0
+
+    def xy(i: int, v: float) -> tuple[float, float]:
+        return pad + (width - 2 * pad) * i / n, height - pad - (height - 2 * pad) * v / top
+
+    pts = [xy(i, v) for i, v in enumerate(values)]
+    line = " ".join(f"{x:.1f},{y:.1f}" for x, y in pts)
+    dot = f'<circle cx="{pts[-1][0]:.1f}" cy="{pts[-1][1]:.1f}" r="2" fill="{color}"/>' if pts else ""
+    data = " ".join(f"{v:g}" for v in values)
+    return (f'<svg class="spark" data-series="{html_escape(name)}" data-values="{html_escape(data)}" '
+            f'viewBox="0 0 {width} {height}" width="{width}" height="{height}" role="img" '
+            f'aria-label="{html_escape(title)}" xmlns="http://www.w3.org/2000/svg"><title>{html_escape(title)}</title>'
+            f'<line x1="{pad}" x2="{width - pad}" y1="{height - pad}" y2="{height - pad}" class="grid"/>'
+            f'<polyline points="{line}" fill="none" stroke="{color}" stroke-width="1.5"/>{dot}</svg>')
