@@ -226,19 +226,36 @@ grant execute on function fleet._record_windows(fleet.runs,jsonb) to service_rol
 -- Every window of every pool the key's lanes draw from: its budget, how much is used and how full,
 -- when it resets, whether the figure is the provider's or the estimate's, and how far off the
 -- estimate was at the provider's last reading.
+-- The windows of the pools the key's lanes draw from (fleet._pools_of_the_key): their settings,
+-- which the pools table shows to keys of every lane only.
+create or replace function fleet._pool_windows_of_the_key()
+returns table (pool text, windows jsonb, reserve numeric)
+language sql
+stable
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+    select p.name, p.windows, p.reserve
+      from fleet.pools p
+     where p.windows <> '{}' and p.name in (select k.name from fleet._pools_of_the_key() k);
+$$;
+revoke all on function fleet._pool_windows_of_the_key() from public;
+grant execute on function fleet._pool_windows_of_the_key() to fleet_operator, service_role;
+
+-- (the use is read as the caller: a key limited to some lanes counts its lanes' runs, as
+-- fleet.pool_overview counts its lanes' tasks)
 create or replace view fleet.pool_windows with (security_invoker = true) as
-select p.name as pool, w.key as window_name,
+select p.pool, w.key as window_name,
        (w.value ->> 'seconds')::double precision as seconds,
        (w.value ->> 'budget_tokens')::numeric as budget_tokens,
        (w.value ->> 'budget_usd')::numeric as budget_usd,
-       pl.reserve,
+       p.reserve,
        u.used_tokens, u.used_usd, round(u.utilization, 4) as utilization, u.resets_at, u.source,
        u.status as provider_status, u.provider_utilization, round(u.estimate_off_by, 4) as estimate_off_by,
        u.read_at as provider_read_at
-  from fleet._pools_of_the_key() p
-  join fleet.pools pl on pl.name = p.name
- cross join lateral jsonb_each(pl.windows) w
- cross join lateral fleet._window_use(p.name, w.key, w.value) u;
+  from fleet._pool_windows_of_the_key() p
+ cross join lateral jsonb_each(p.windows) w
+ cross join lateral fleet._window_use(p.pool, w.key, w.value) u;
 comment on view fleet.pool_windows is
     'Per pool and usage window (fleet.toml [pools.NAME.windows]): budget, used, utilization, reset, '
     'source (provider reading or estimate from the runs), and how far off the estimate was at the '

@@ -9,8 +9,18 @@ from typing import Any
 
 import psycopg
 from psycopg.types.json import Jsonb
-
-from sqlkit import claim, complete, enqueue, one, open_session, record_run, refused, rows, sync_lane, task
+from sqlkit import (
+    claim,
+    complete,
+    enqueue,
+    one,
+    open_session,
+    record_run,
+    refused,
+    rows,
+    sync_lane,
+    task,
+)
 
 TOKENS_PER_TASK = 1000  # what each finished task of the tests recorded
 
