@@ -84,7 +84,8 @@ def _lane(conn: psycopg.Connection, name: str) -> Lane:
     """One lane's history, built through the API (the owner's connection: every lane allowed)."""
     m = MARK[name]
     lane = Lane(name, m, host=f"{m}-host-1", pool=f"{m}-pool", profile=f"{m}-prof")
-    conn.execute("select fleet.sync_pool(%s, 2)", (lane.pool,))
+    conn.execute("select fleet.sync_pool(%s, 2, %s)", (lane.pool, Jsonb({"five_hour": {
+        "seconds": 18000, "budget_tokens": 10_000_000, "provider_window": "five_hour"}})))
     conn.execute("select fleet.sync_profile(%s, %s, %s)", (lane.profile, lane.pool, Jsonb({"mid": f"{m}-model"})))
     conn.execute("select fleet.sync_lane(%s, %s)", (name, Jsonb({
         "max_attempts": 2, "lease_seconds": 600,

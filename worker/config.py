@@ -177,10 +177,43 @@ class _AgentAccess(_Strict):
     _paths = field_validator("sandbox_ro", "sandbox_rw", "sandbox_hide")(classmethod(lambda cls, v: _sandbox_paths(v)))
 
 
+class WindowConfig(_Strict):
+    """A usage window of a pool (README "Capacity windows"): how long, and its budget."""
+
+    hours: float | None = Field(default=None, gt=0)
+    days: float | None = Field(default=None, gt=0)
+    budget_tokens: int | None = Field(default=None, gt=0)  # tokens of every kind the runs recorded
+    budget_usd: float | None = Field(default=None, gt=0)
+    # the provider's name of the window its readings carry (Claude Code: five_hour, seven_day,
+    # seven_day_opus, ...); default: the window's own name
+    provider_window: str | None = None
+    models: list[str] = Field(default_factory=list)  # only runs of these models (prefixes): a model family's window
+
+    @model_validator(mode="after")
+    def _length_and_budget(self) -> WindowConfig:
+        if (self.hours is None) == (self.days is None):
+            raise ValueError("a window needs hours or days (one of them)")
+        if self.budget_tokens is None and self.budget_usd is None:
+            raise ValueError("a window needs a budget_tokens or a budget_usd")
+        return self
+
+    @property
+    def seconds(self) -> float:
+        return (self.hours or 0) * 3600 + (self.days or 0) * 86400
+
+    def settings(self, name: str) -> dict[str, Any]:
+        """What fleet.sync_pool takes of it."""
+        return {"seconds": self.seconds, "budget_tokens": self.budget_tokens, "budget_usd": self.budget_usd,
+                "provider_window": self.provider_window or name, "models": self.models}
+
+
 class PoolConfig(_Strict):
-    """A capacity pool (an account, a subscription, a local GPU): slots across the whole fleet."""
+    """A capacity pool (an account, a subscription, a local GPU): slots across the whole fleet, and
+    the usage windows its provider meters it by."""
 
     slots: int | None = Field(default=None, ge=0)  # None: unlimited
+    windows: dict[str, WindowConfig] = Field(default_factory=dict)
+    reserve: float = Field(default=0.1, ge=0, lt=1)  # of each window's budget, kept for running work
 
 
 class ProfileConfig(_AgentAccess):

@@ -259,7 +259,11 @@ $$;
 revoke all on function fleet.unretire_lane(text) from public;
 grant execute on function fleet.unretire_lane(text) to fleet_operator, service_role;
 
-create or replace function fleet.sync_pool(p_name text, p_slots int)
+-- p_windows: the pool's usage windows ({"<name>": {"seconds", "budget_tokens", "budget_usd",
+-- "provider_window", "models"}}, fleet.toml [pools.NAME.windows]; NULL: none), p_reserve the share
+-- of each window's budget kept for running work (NULL: 0.1).
+create or replace function fleet.sync_pool(p_name text, p_slots int, p_windows jsonb default null,
+                                           p_reserve numeric default null)
 returns text
 language plpgsql
 security definer
@@ -267,6 +271,10 @@ set search_path = pg_catalog, fleet, pg_temp
 as $$
 declare
     v_old fleet.pools;
+    v_windows jsonb := coalesce(p_windows, '{}');
+    v_reserve numeric := coalesce(p_reserve, 0.1);
+    k text;
+    w jsonb;
 begin
     if p_name is null or p_name !~ '^[a-z0-9][a-z0-9_-]{0,62}$' then
         perform fleet._raise('LF005', format('%L is not a pool name', p_name),
@@ -275,22 +283,38 @@ begin
     if p_slots is not null and p_slots < 0 then
         perform fleet._raise('LF005', format('pool %s: slots must be 0 or more, not %s', p_name, p_slots));
     end if;
+    if jsonb_typeof(v_windows) <> 'object' then
+        perform fleet._raise('LF005', format('pool %s: windows must be a JSON object of windows', p_name));
+    end if;
+    for k, w in select * from jsonb_each(v_windows) loop
+        if jsonb_typeof(w -> 'seconds') <> 'number' or (w ->> 'seconds')::numeric <= 0
+           or (jsonb_typeof(w -> 'budget_tokens') is distinct from 'number'
+               and jsonb_typeof(w -> 'budget_usd') is distinct from 'number') then
+            perform fleet._raise('LF005', format('pool %s, window %s: needs seconds (> 0) and a budget_tokens or '
+                                                 'budget_usd', p_name, k));
+        end if;
+    end loop;
+    if v_reserve < 0 or v_reserve >= 1 then
+        perform fleet._raise('LF005', format('pool %s: reserve must be at least 0 and below 1, not %s', p_name, v_reserve));
+    end if;
     select * into v_old from fleet.pools where name = p_name for no key update;
     if not found then
-        insert into fleet.pools (name, slots) values (p_name, p_slots);
+        insert into fleet.pools (name, slots, windows, reserve) values (p_name, p_slots, v_windows, v_reserve);
         perform fleet._event('pool_created', null, null, null, jsonb_build_object('pool', p_name, 'slots', p_slots));
         return 'created';
     end if;
-    if v_old.slots is not distinct from p_slots then
+    if v_old.slots is not distinct from p_slots and v_old.windows = v_windows and v_old.reserve = v_reserve then
         return 'unchanged';
     end if;
-    update fleet.pools set slots = p_slots, updated_at = now() where name = p_name;
-    perform fleet._event('pool_updated', null, null, null, jsonb_build_object('pool', p_name, 'slots', p_slots));
+    update fleet.pools set slots = p_slots, windows = v_windows, reserve = v_reserve, updated_at = now()
+     where name = p_name;
+    perform fleet._event('pool_updated', null, null, null, jsonb_build_object('pool', p_name, 'slots', p_slots,
+        'windows', v_windows, 'reserve', v_reserve));
     return 'updated';
 end
 $$;
-revoke all on function fleet.sync_pool(text,integer) from public;
-grant execute on function fleet.sync_pool(text,integer) to service_role;
+revoke all on function fleet.sync_pool(text,integer,jsonb,numeric) from public;
+grant execute on function fleet.sync_pool(text,integer,jsonb,numeric) to service_role;
 
 -- p_throttle_floor: the shortest pause a usage limit of a run under this profile gets
 -- (fleet.throttle), in seconds: 0 up to fleet._longest_throttle().

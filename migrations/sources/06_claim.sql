@@ -22,6 +22,11 @@ declare
     v_c fleet.tasks;
     v_over text;
     p record;
+    v_room jsonb := '{}';
+    v_exp_tok numeric;
+    v_exp_usd numeric;
+    v_short boolean;
+    v_reopens timestamptz;
 begin
     if p_limit is null or p_limit < 0 then
         perform fleet._raise('LF005', format('claim limit must be 0 or more, not %s', p_limit));
@@ -126,8 +131,13 @@ begin
     end if;
 
     -- the free slots of every pool, counted under the pools' locks
-    for p in select pl.name, pl.slots, pl.throttled_until from fleet.pools pl order by pl.name for no key update
+    for p in select pl.name, pl.slots, pl.throttled_until, pl.windows from fleet.pools pl order by pl.name
+                for no key update
     loop
+        -- and the room left in its usage windows (fleet._window_room), for the look-ahead below
+        if p.windows <> '{}' then
+            v_room := v_room || jsonb_build_object(p.name, fleet._window_room(p.name));
+        end if;
         v_avail := v_avail || jsonb_build_object(p.name,
             case when p.throttled_until > now() then 0
                  when p.slots is null then 2147483647
@@ -158,16 +168,44 @@ begin
                                  'profile', v_t.profile))
                         else v_lane_cands end;
         v_choice := null;
+        v_short := false;
+        v_reopens := null;
+        -- what it is expected to spend, where a pool it may draw from has usage windows: the lane's
+        -- recent median per task of its tier, else its own budget
+        if v_room <> '{}' then
+            select coalesce(e.tokens, v_t.max_tokens), coalesce(e.usd, v_t.max_cost_usd)
+              into v_exp_tok, v_exp_usd
+              from fleet._expected_cost(s.lane, fleet._tier_for(l, v_t.tier)) e;
+        end if;
         -- (a FOR loop's variable exists only inside the loop: keep the index in v_idx)
         for i in 0 .. jsonb_array_length(v_cands) - 1 loop
-            if v_cands -> i ->> 'pool' is null or coalesce((v_avail ->> (v_cands -> i ->> 'pool'))::int, 0) > 0 then
+            v_pool := v_cands -> i ->> 'pool';
+            if v_pool is not null and coalesce((v_avail ->> v_pool)::int, 0) > 0 and v_room ? v_pool
+               and not fleet._window_fits(v_room -> v_pool, v_exp_tok, v_exp_usd) then
+                -- its windows have no room for it: the next pool, before this one throttles
+                v_short := true;
+                v_reopens := greatest(v_reopens, fleet._window_reopens(v_room -> v_pool, v_exp_tok, v_exp_usd));
+                continue;
+            end if;
+            if v_pool is null or coalesce((v_avail ->> v_pool)::int, 0) > 0 then
                 v_choice := v_cands -> i;
                 v_idx := i;
                 exit;
             end if;
         end loop;
-        continue when v_choice is null;  -- every pool it may draw from is throttled or full
+        if v_choice is null and v_short then
+            -- no pool it may draw from has room in its windows: it waits for the first to reopen
+            update fleet.tasks x set run_at = coalesce(v_reopens, now() + interval '5 minutes'), updated_at = now()
+             where x.id = v_t.id;
+            perform fleet._event('window_deferred', v_t.lane, v_t.id, s.id, jsonb_build_object(
+                'until', coalesce(v_reopens, now() + interval '5 minutes'),
+                'expected_tokens', v_exp_tok, 'expected_usd', v_exp_usd));
+        end if;
+        continue when v_choice is null;  -- every pool it may draw from is throttled, full or out of room
         v_pool := v_choice ->> 'pool';
+        if v_room ? v_pool then
+            v_room := jsonb_set(v_room, array[v_pool], fleet._window_take(v_room -> v_pool, v_exp_tok, v_exp_usd));
+        end if;
 
         update fleet.tasks x
            set state = 'running',
@@ -192,7 +230,9 @@ begin
                 -- throttled or full
                 'spilled', case when v_t.profile is null and v_idx > 0 then true end,
                 'preferred_pool', case when v_t.profile is null and v_idx > 0
-                                       then v_lane_cands -> 0 ->> 'pool' end)));
+                                       then v_lane_cands -> 0 ->> 'pool' end,
+                -- a pool passed over because its usage windows had no room (a throttle avoided)
+                'window_spill', case when v_short then true end)));
         v_over := fleet._over_budget(v_c, l);
         if v_over is not null then  -- as above: blocked, and it takes no slot of the pool
             perform fleet.block(v_c.id, v_c.lease_token, 'budget', v_over);

@@ -614,6 +614,8 @@ begin
                error_tail = coalesce(left(p_report ->> 'error_tail', 4000), error_tail)
          where lease_token = p_token
         returning * into r;
+        -- what the provider said of the pool's usage windows (the last reading of each wins)
+        perform fleet._record_windows(r, p_report -> 'windows');
     exception when data_exception or check_violation then
         -- a count that is negative, fractional, not a number or too large; an unknown cost_source
         perform fleet._raise('LF005', format('a run report has a malformed value: %s', sqlerrm),

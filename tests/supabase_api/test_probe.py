@@ -91,6 +91,8 @@ NEUTRAL = {
     # a source's pass: what the tracker said
     "p_items", "p_pr", "p_cache", "p_cursor", "p_resume_at", "p_sha", "p_runs", "p_verdict", "p_revert_sha",
     "p_reverted_at", "p_value",
+    # a pool's usage windows
+    "p_windows", "p_reserve", "p_name", "w", "p_reading", "p_room", "p_tokens", "p_usd", "r",
     # rows of a table: the private helpers that take one (no key role may call them)
     "b", "m", "t", "l",
     # a private helper of fleet.route (no key role may call it): the task already holding a key

@@ -355,8 +355,9 @@ class PostgresStore(NamedReads):
         query = sql.SQL("select fleet.{}({})").format(sql.Identifier(fn), args)
         return self._one(query, values, idempotent=idempotent)  # type: ignore[arg-type]
 
-    def sync_pool(self, name: str, slots: int | None) -> str:
-        return str(self._one("select fleet.sync_pool(%s, %s)", (name, slots)))
+    def sync_pool(self, name: str, slots: int | None, windows: dict[str, Any] | None = None,
+                  reserve: float | None = None) -> str:
+        return str(self._one("select fleet.sync_pool(%s, %s, %s, %s::numeric)", (name, slots, _json(windows), reserve)))
 
     def clear_throttle(self, pool: str) -> dict[str, Any]:
         """An operator lifts the pool's throttle (``fleet.clear_throttle``): {pool, was_until (None:

@@ -337,8 +337,10 @@ class SupabaseStore(NamedReads):
         data = self._rpc(fn, params, idempotent=idempotent)
         return [dict(r) for r in data or []] if fn in SOURCE_ROWS else data
 
-    def sync_pool(self, name: str, slots: int | None) -> str:
-        return str(self._rpc("sync_pool", {"p_name": name, "p_slots": slots}))
+    def sync_pool(self, name: str, slots: int | None, windows: dict[str, Any] | None = None,
+                  reserve: float | None = None) -> str:
+        return str(self._rpc("sync_pool", {"p_name": name, "p_slots": slots, "p_windows": windows,
+                                           "p_reserve": reserve}))
 
     def clear_throttle(self, pool: str) -> dict[str, Any]:
         value = self._rpc("clear_throttle", {"p_pool": pool}, idempotent=False)

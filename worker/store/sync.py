@@ -58,7 +58,8 @@ def sync_config(store: Store, cfg: FleetConfig, paused: Mapping[str, str | None]
 
     ``paused``: the preflight's verdict per lane (worker.preflight: the reason to pause it, None to
     clear a pause it put there before); a lane it leaves out keeps the pause it has."""
-    out = {f"pool {n}": store.sync_pool(n, p.slots) for n, p in cfg.pools.items()}
+    out = {f"pool {n}": store.sync_pool(n, p.slots, {k: w.settings(k) for k, w in p.windows.items()}, p.reserve)
+           for n, p in cfg.pools.items()}
     out |= {f"profile {n}": store.sync_profile(n, p.pool, p.models, p.throttle_floor)
             for n, p in cfg.profiles.items()}
     for name, lane in cfg.lanes.items():
