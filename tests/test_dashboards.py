@@ -190,7 +190,7 @@ def test_the_fleet_command_has_the_dashboards(home: Path) -> None:
 
 def test_status_json(db_url: str, home: Path, world: dict[str, Any]) -> None:
     data = json.loads(ok(run_fleet("status", "--json", url=db_url, home=home)))
-    assert set(data) == {"as_of", "lanes", "stuck", "blocked", "attention", "pools", "sessions", "repairs"}
+    assert set(data) == {"as_of", "lanes", "stuck", "blocked", "attention", "pools", "windows", "sessions", "repairs"}
     lanes = {row["lane"]: row for row in data["lanes"]}
     keys = ["queued", "ready", "running", "slots", "idle_slots", "done_24h", "failed_24h", "dead_24h",
             "cancelled_24h", "retries_24h", "handoffs_24h", "repairs_24h", "operator_retries_24h",

@@ -31,6 +31,10 @@ select * from fleet.attention_tasks
 -- Capacity pools: slots, in use, throttled until, throttles, provider errors and spill-overs today.
 select * from fleet.pool_overview order by pool;
 
+-- name: pool_windows
+-- The usage windows of the pools: budget, used, how full, reset, provider's figure or estimate.
+select * from fleet.pool_windows order by pool, window_name;
+
 -- name: active_sessions
 -- Active sessions, newest first.
 select * from fleet.session_overview

@@ -129,6 +129,7 @@ def status_data(r: Reader, lane: str | None = None, repairs: int = 10) -> dict[s
         "blocked": r.rows("blocked_tasks", lane=lane),
         "attention": r.rows("attention_tasks", lane=lane),
         "pools": r.rows("pool_overview"),
+        "windows": r.rows("pool_windows"),
         "sessions": r.rows("active_sessions", lane=lane),
         "repairs": r.rows("recent_repairs", lane=lane, limit=repairs),
     }

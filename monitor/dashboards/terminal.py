@@ -94,6 +94,9 @@ def render_status(data: dict[str, Any], wide: bool = False) -> RenderableType:
                           _red(row["transients_today"]), str(row["spillovers_today"]), escape(row["profiles"] or ""))
         parts.append(pools)
 
+    if data.get("windows"):
+        parts.append(_windows_table(data["windows"], wide))
+
     if data["sessions"]:
         sessions = FitTable([Col("session", "key"), Col("lane", "key"), Col("host:pid", "key", 1),
                              Col("age", "num", 3), Col("deadline in", "num", 2), Col("heartbeat", "num", 1),
@@ -190,6 +193,26 @@ def render_stats(data: dict[str, Any], wide: bool = False) -> RenderableType:
     if data.get("triage"):
         parts.append(_triage_table(data["triage"], since, wide))
     return Group(*parts)
+
+
+def _windows_table(rows: list[dict[str, Any]], wide: bool) -> FitTable:
+    """fleet.pool_windows: each usage window of a pool, how full (the provider's figure or the
+    estimate from the runs), when it resets."""
+    table = FitTable([Col("pool", "key"), Col("window", "key"), Col("full", "num"), Col("used", "num", 2),
+                      Col("budget", "num", 2), Col("resets", "key", 1), Col("from", "key", 3),
+                      Col("estimate off by", "num", 4)],
+                     title="usage windows", wide=wide)
+    for row in rows:
+        full = float(row["utilization"] or 0)
+        used = (fmt_num(row["used_tokens"]) if row["budget_tokens"] is not None else fmt_cost(row["used_usd"]))
+        budget = (fmt_num(row["budget_tokens"]) if row["budget_tokens"] is not None else fmt_cost(row["budget_usd"]))
+        resets = row["resets_at"]
+        off = row["estimate_off_by"]
+        table.add_row(escape(row["pool"]), escape(row["window_name"]),
+                      f"[red]{full:.0%}[/]" if full >= 0.9 else f"{full:.0%}", used, budget,
+                      f"{resets:%Y-%m-%d %H:%M}" if resets else "—", escape(row["source"] or ""),
+                      "—" if off is None else f"{float(off):+.0%}")
+    return table
 
 
 def _ci_table(rows: list[dict[str, Any]], since: datetime, wide: bool) -> FitTable:
