@@ -26,6 +26,7 @@ declare
     v_exp_tok numeric;
     v_exp_usd numeric;
     v_short boolean;
+    v_short_pools text[];
     v_reopens timestamptz;
 begin
     if p_limit is null or p_limit < 0 then
@@ -169,6 +170,7 @@ begin
                         else v_lane_cands end;
         v_choice := null;
         v_short := false;
+        v_short_pools := '{}';
         v_reopens := null;
         -- what it is expected to spend, where a pool it may draw from has usage windows: the lane's
         -- recent median per task of its tier, else its own budget
@@ -184,6 +186,7 @@ begin
                and not fleet._window_fits(v_room -> v_pool, v_exp_tok, v_exp_usd) then
                 -- its windows have no room for it: the next pool, before this one throttles
                 v_short := true;
+                v_short_pools := v_short_pools || v_pool;
                 v_reopens := greatest(v_reopens, fleet._window_reopens(v_room -> v_pool, v_exp_tok, v_exp_usd));
                 continue;
             end if;
@@ -198,7 +201,7 @@ begin
             update fleet.tasks x set run_at = coalesce(v_reopens, now() + interval '5 minutes'), updated_at = now()
              where x.id = v_t.id;
             perform fleet._event('window_deferred', v_t.lane, v_t.id, s.id, jsonb_build_object(
-                'until', coalesce(v_reopens, now() + interval '5 minutes'),
+                'until', coalesce(v_reopens, now() + interval '5 minutes'), 'pools', to_jsonb(v_short_pools),
                 'expected_tokens', v_exp_tok, 'expected_usd', v_exp_usd));
         end if;
         continue when v_choice is null;  -- every pool it may draw from is throttled, full or out of room
@@ -232,7 +235,7 @@ begin
                 'preferred_pool', case when v_t.profile is null and v_idx > 0
                                        then v_lane_cands -> 0 ->> 'pool' end,
                 -- a pool passed over because its usage windows had no room (a throttle avoided)
-                'window_spill', case when v_short then true end)));
+                'window_spill', case when v_short then to_jsonb(v_short_pools) end)));
         v_over := fleet._over_budget(v_c, l);
         if v_over is not null then  -- as above: blocked, and it takes no slot of the pool
             perform fleet.block(v_c.id, v_c.lease_token, 'budget', v_over);

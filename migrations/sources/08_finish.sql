@@ -240,7 +240,8 @@ begin
      where id = p_task;
     perform fleet._end_run(p_token, 'handed_off');
     perform fleet._event('handed_off', t.lane, p_task, t.session_id,
-        jsonb_build_object('attempt', t.attempts, 'handoffs', t.handoffs + 1, 'state', v_state));
+        jsonb_strip_nulls(jsonb_build_object('attempt', t.attempts, 'handoffs', t.handoffs + 1, 'state', v_state,
+                                             'pool', t.pool, 'reason', left(p_snapshot ->> 'reason', 100))));
     return v_state;
 end
 $$;

@@ -264,3 +264,50 @@ revoke all on fleet.pool_windows from service_role;
 grant select on fleet.pool_windows to fleet_operator, service_role;
 create or replace trigger read_only instead of insert or update or delete on fleet.pool_windows
     for each row execute function fleet._read_only_view();
+
+-- What the windows did in [p_from, p_to), per pool: throttles avoided (a claim passed the pool over,
+-- or a task waited, because its windows had no room), throttles hit (usage limits the pool's runs
+-- met anyway), spill-overs (claims that drew the pool other than the lane's first choice), and
+-- hand-offs at a window's end (agents asked to stop before a window closed). The bake-off's
+-- question, "did the pools throttle often enough for the capacity case to hold?", in one query.
+-- Invoker: the events of the caller's lanes (events_kind_ts).
+create or replace function fleet.window_outcomes(p_from timestamptz, p_to timestamptz)
+returns table (pool text, throttles_avoided bigint, throttles_hit bigint, spill_overs bigint, window_handoffs bigint)
+language sql
+stable
+as $$
+    with e as (
+        select e.kind, e.detail
+          from fleet.events e
+         where e.kind in ('claimed', 'window_deferred', 'throttled', 'handed_off')
+           and e.ts >= p_from and e.ts < p_to
+    ), per_pool as (
+        -- a pool passed over (window_spill lists them) or waited for (window_deferred's pools)
+        select p.pool, 'avoided' as what
+          from e cross join lateral jsonb_array_elements_text(
+                   case when e.kind = 'claimed' and jsonb_typeof(e.detail -> 'window_spill') = 'array'
+                        then e.detail -> 'window_spill'
+                        when e.kind = 'window_deferred' and jsonb_typeof(e.detail -> 'pools') = 'array'
+                        then e.detail -> 'pools' else '[]' end) p(pool)
+        union all
+        select e.detail ->> 'pool', 'hit' from e where e.kind = 'throttled' and e.detail ? 'pool'
+        union all
+        select e.detail ->> 'pool', 'spill' from e where e.kind = 'claimed' and (e.detail ->> 'spilled')::boolean
+        union all
+        select e.detail ->> 'pool', 'handoff' from e
+         where e.kind = 'handed_off' and e.detail ->> 'reason' = 'window-closing' and e.detail ? 'pool'
+    )
+    select pp.pool,
+           count(*) filter (where pp.what = 'avoided'),
+           count(*) filter (where pp.what = 'hit'),
+           count(*) filter (where pp.what = 'spill'),
+           count(*) filter (where pp.what = 'handoff')
+      from per_pool pp
+     group by pp.pool
+     order by pp.pool;
+$$;
+comment on function fleet.window_outcomes(timestamptz, timestamptz) is
+    'Per pool in [p_from, p_to): throttles avoided by the windows'' look-ahead, throttles hit, spill-overs, '
+    'hand-offs at a window''s end.';
+revoke all on function fleet.window_outcomes(timestamptz,timestamptz) from public;
+grant execute on function fleet.window_outcomes(timestamptz,timestamptz) to fleet_operator, service_role;

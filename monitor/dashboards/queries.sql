@@ -35,6 +35,10 @@ select * from fleet.pool_overview order by pool;
 -- The usage windows of the pools: budget, used, how full, reset, provider's figure or estimate.
 select * from fleet.pool_windows order by pool, window_name;
 
+-- name: window_outcomes
+-- Per pool since a moment: throttles avoided by the windows, throttles hit, spill-overs, window hand-offs.
+select * from fleet.window_outcomes(%(since)s::timestamptz, now() + interval '1 second');
+
 -- name: active_sessions
 -- Active sessions, newest first.
 select * from fleet.session_overview

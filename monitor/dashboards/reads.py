@@ -198,6 +198,8 @@ def snapshot_data(r: Reader, since_seconds: float, limit: int = 1000) -> dict[st
         "cohort": stats["cohort"],
         "cohort_by_lane": stats["cohort_by_lane"],
         "cohort_split": stats["cohort_split"],
+        "windows": r.rows("pool_windows"),
+        "window_outcomes": r.rows("window_outcomes", since=since),
     }
 
 

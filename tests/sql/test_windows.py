@@ -76,7 +76,7 @@ def test_claims_spill_before_the_window_is_crossed_and_wait_when_no_pool_has_roo
     pools = [finish(conn, s)["pool"] for _ in range(4)]
     assert pools == ["first", "first", "first", "second"]
     spill = rows(conn, "select detail from fleet.events where kind = 'claimed' order by id desc limit 1")[0]["detail"]
-    assert spill["window_spill"] is True and spill["pool"] == "second"
+    assert spill["window_spill"] == ["first"] and spill["pool"] == "second"
     assert window(conn)["used_tokens"] == 3000  # never crossed
 
 
@@ -132,3 +132,19 @@ def test_sync_pool_refuses_a_window_without_a_length_or_a_budget(conn: psycopg.C
     with refused("LF005"):
         one(conn, "select fleet.sync_pool('x', 1, null, 1.5::numeric)")
     assert one(conn, "select count(*) from fleet.pools where name = 'x'") == 0
+
+
+def test_window_outcomes_count_throttles_avoided_hit_spills_and_window_hand_offs(conn: psycopg.Connection) -> None:
+    two_pools(conn, budget=2500)
+    for _ in range(5):
+        enqueue(conn, "a")
+    s = open_session(conn, "a")
+    assert [finish(conn, s)["pool"] for _ in range(3)] == ["first", "first", "second"]  # the 3rd passed first over
+    (t,) = claim(conn, s, 1)
+    assert t["pool"] == "second"
+    one(conn, "select fleet.hand_off(%s, %s, %s)", (t["id"], t["lease_token"], Jsonb({"reason": "window-closing"})))
+    (t,) = claim(conn, s, 1)
+    one(conn, "select fleet.throttle(%s, %s, now() + interval '1 hour', 'usage limit')", (t["id"], t["lease_token"]))
+    got = {r["pool"]: r for r in rows(conn, "select * from fleet.window_outcomes(now() - interval '1 hour', now() + interval '1 second')")}
+    assert (got["first"]["throttles_avoided"], got["first"]["throttles_hit"]) == (3, 0)  # claims 3, 4 and 5
+    assert (got["second"]["spill_overs"], got["second"]["window_handoffs"], got["second"]["throttles_hit"]) == (3, 1, 1)
