@@ -66,7 +66,7 @@ def lanes_page(s: Snapshot) -> dict[str, Any]:
         pool["spark"] = sparkline(_hourly(now, throttled.get(pool["pool"], [])), name=pool["pool"],
                                   title=f"{pool['pool']}: throttles per hour, last {SPARK_HOURS} h",
                                   color="#c23b5a")
-    return {"now": now, "lanes": lanes, "pools": pools, "stuck": s.stuck()}
+    return {"now": now, "lanes": lanes, "pools": pools, "windows": s.windows(), "stuck": s.stuck()}
 
 
 @dataclass

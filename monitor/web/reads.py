@@ -20,12 +20,13 @@ from typing import Any, cast
 
 from monitor.dashboards.reads import Reader, reading
 from worker.errors import InvalidInput
+from worker.models import TASK_STATES
 from worker.store.postgres import PostgresStore
 from worker.store.reads import load_queries
 from worker.store.supabase import SupabaseStore
 
 QUERIES = Path(__file__).with_name("queries.sql")
-STATES = ("queued", "running", "blocked", "review", "done", "dead", "cancelled")
+STATES = TASK_STATES
 # characters a REST filter value would have to quote (PostgREST's or=(...) syntax): refused on
 # both back-ends alike, so a filter means the same everywhere
 _RESERVED = set(',()"*\\%_')
@@ -52,6 +53,7 @@ class Snapshot:
     def now(self) -> datetime: raise NotImplementedError
     def lanes(self) -> list[dict[str, Any]]: raise NotImplementedError
     def pools(self) -> list[dict[str, Any]]: raise NotImplementedError
+    def windows(self) -> list[dict[str, Any]]: raise NotImplementedError
     def throughput(self, since: datetime) -> list[dict[str, Any]]: raise NotImplementedError
     def tasks(self, lane: str | None, state: str | None, key: str | None, text: str | None,
               limit: int = 100) -> list[dict[str, Any]]: raise NotImplementedError
@@ -90,6 +92,9 @@ class PostgresSnapshot(Snapshot):
 
     def pools(self) -> list[dict[str, Any]]:
         return self.r.rows("pool_overview")
+
+    def windows(self) -> list[dict[str, Any]]:
+        return self.r.rows("pool_windows")
 
     def throughput(self, since: datetime) -> list[dict[str, Any]]:
         return self.r.rows("throughput_since", since=since, lane=None)
@@ -177,6 +182,9 @@ class RestSnapshot(Snapshot):
 
     def pools(self) -> list[dict[str, Any]]:
         return self._view("pool_overview", order=[("pool", False)])
+
+    def windows(self) -> list[dict[str, Any]]:
+        return self._view("pool_windows", order=[("pool", False), ("window_name", False)])
 
     def throughput(self, since: datetime) -> list[dict[str, Any]]:
         hour = since.astimezone(UTC).replace(minute=0, second=0, microsecond=0)

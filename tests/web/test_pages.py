@@ -22,6 +22,7 @@ def test_every_page_renders_with_the_data(fleet: Fleet, console) -> None:
         assert home.status_code == 200, home.text
         assert rows_of(home.text, "data-lane") == ["other", "work"]
         assert rows_of(home.text, "data-pool") == ["max"]
+        assert rows_of(home.text, "data-window") == ["max/five_hour"]  # fleet.pool_windows
         work = home.text.split('data-lane="work"')[1].split("</tr>")[0]
         # the view's figures: one stage done in the last 24 h, a sparkline of it per hour
         assert re.search(r'data-col="done">1<', work), work

@@ -8,7 +8,7 @@ from typing import Any
 from fleetkit import AGENT, Fleet, lane_defaults
 
 PROFILES = {
-    "pools": {"max": {"slots": 4}},
+    "pools": {"max": {"slots": 4, "windows": {"five_hour": {"hours": 5, "budget_tokens": 10_000_000}}}},
     "profiles": {"scripted": {"command": [*AGENT, "--model", "{model}"],
                               "models": {"mechanical": "m-small", "mid": "m-mid", "strong": "m-large"},
                               "pool": "max"}},
