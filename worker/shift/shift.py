@@ -123,6 +123,7 @@ class Job:
     over_budget: str | None = None  # why the shift stopped the agent for its budget
     progress_marks: Marks = (0, None, None)
     window_closing: dict[str, Any] | None = None  # what .fleet/window_closing.json told the agent, once
+    windows_seen: int = 0  # how many of the reader's window readings were looked at
 
     @property
     def token(self) -> UUID:
@@ -728,25 +729,29 @@ class Shift:
 
     def _check_windows(self, job: Job) -> None:
         """A usage window near its end: tell the agent once (it checkpoints and exits 75)."""
-        if job.window_closing is not None or job.killed is not None or job.stopping:
+        windows = job.reader.reading().windows
+        if job.window_closing is not None or job.killed is not None or job.stopping \
+                or len(windows) == job.windows_seen:
             return
-        window = closing_window(job.reader.reading().windows, WINDOW_HANDOFF_UTILIZATION)
+        job.windows_seen = len(windows)
+        window = closing_window(windows, WINDOW_HANDOFF_UTILIZATION)
         if window is None:
             return
-        job.window_closing = {
+        asked = {
             "window": window.window, "utilization": window.utilization,
             "resets_at": window.resets_at.isoformat() if window.resets_at is not None else None,
             "asked_at": datetime.now(UTC).isoformat(timespec="seconds"),
         }
         try:
-            write_atomic(job.ws.fleet / WINDOW_CLOSING, json.dumps(job.window_closing))
-        except OSError as exc:
+            write_atomic(job.ws.fleet / WINDOW_CLOSING, json.dumps(asked))
+        except OSError as exc:  # tried again at the next reading
             self.log.warning("could not ask the agent to hand off before its window closes", task=job.task.id,
                              error=str(exc))
             return
+        job.window_closing = asked
         self.log.info("usage window closing: the agent is asked to hand off", task=job.task.id,
                       provider=window.provider, window=window.window, status=window.status,
-                      utilization=window.utilization, resets_at=job.window_closing["resets_at"])
+                      utilization=window.utilization, resets_at=asked["resets_at"])
 
     def _snapshot(self, job: Job, reason: str, code: int | None, agent_session: str | None) -> dict[str, Any]:
         return {
