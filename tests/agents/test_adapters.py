@@ -13,13 +13,14 @@ import pkgutil
 import subprocess
 import sys
 import tempfile
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
 import worker.agent.adapters as adapters
 from worker.agent.adapters import ADAPTERS, Adapter, Reading, Tokens, adapter, detect
+from worker.agent.adapters.base import WindowReading, latest_windows
 from worker.agent.executor import render_argv
 
 CORPUS = Path(__file__).parent / "corpus"
@@ -248,6 +249,53 @@ def test_claude_plain_text_limit_is_left_to_the_shift() -> None:
     assert (r.final, r.limit, r.session_id) == (False, None, None)
 
 
+# -- usage windows (Claude Code's rate_limit_event)
+
+
+def test_claude_windows_allowed_warning_and_unified_windows_2_1_285() -> None:
+    r = read_sample("claude", "stream-json-multi-turn-cumulative-allowed-warning-2.1.285.jsonl")
+    # the one rate_limit_event: status allowed_warning on rateLimitType seven_day (utilization 0.77,
+    # resetsAt 1791036000); unifiedWindows adds five_hour (0.5, 1790788200), with no status of its own.
+    # The record has no timestamp.
+    assert r.windows == [
+        WindowReading("anthropic", "seven_day", "allowed_warning", 0.77, datetime(2026, 10, 3, 14, 0, tzinfo=UTC),
+                      10080, None),
+        WindowReading("anthropic", "five_hour", None, 0.5, datetime(2026, 9, 30, 17, 10, tzinfo=UTC), 300, None),
+    ]
+    assert r.windows[0].report() == {
+        "provider": "anthropic", "window": "seven_day", "status": "allowed_warning", "utilization": 0.77,
+        "resets_at": "2026-10-03T14:00:00+00:00", "window_minutes": 10080}
+
+
+@pytest.mark.parametrize(("name", "window"), [
+    # status rejected, resetsAt 1778565600, no utilization
+    ("rate-limit-event-rejected-resetsat-line.jsonl",
+     WindowReading("anthropic", "five_hour", "rejected", None, datetime(2026, 5, 12, 6, 0, tzinfo=UTC), 300)),
+    # rejected without resetsAt
+    ("stream-json-session-limit-rejected-429-2.1.220.jsonl",
+     WindowReading("anthropic", "five_hour", "rejected", None, None, 300)),
+    # allowed (overageStatus rejected is about overage, not this window), resetsAt 1774447200
+    ("stream-json-success-rate-limit-allowed-2.1.83.jsonl",
+     WindowReading("anthropic", "five_hour", "allowed", None, datetime(2026, 3, 25, 14, 0, tzinfo=UTC), 300)),
+])
+def test_claude_windows_of_each_status(name: str, window: WindowReading) -> None:
+    assert read_sample("claude", name).windows == [window]
+
+
+def test_claude_samples_without_rate_limit_events_read_no_windows() -> None:
+    for path in sorted((CORPUS / "claude").iterdir()):
+        if "rate_limit_event" not in path.read_text(encoding="utf-8"):
+            assert read_sample("claude", path.name).windows == [], path.name
+
+
+def test_latest_windows_keeps_the_last_reading_of_each() -> None:
+    early = WindowReading("anthropic", "five_hour", "allowed", 0.5)
+    week = WindowReading("anthropic", "seven_day", None, 0.2)
+    late = WindowReading("anthropic", "five_hour", "allowed_warning", 0.9)
+    other = WindowReading("openai", "five_hour", None, 0.1)
+    assert latest_windows([early, week, late, other]) == [late, week, other]
+
+
 def api_wording(source: str) -> str:
     for line in (CORPUS / "limits" / "api-error-wordings.jsonl").read_text(encoding="utf-8").splitlines():
         entry = json.loads(line)
@@ -384,6 +432,66 @@ def test_codex_retry_limit_429_is_a_limit() -> None:
     text = codex_wording("icebear0828/codex-proxy")  # exceeded retry limit, last status: 429 Too Many Requests
     r = read("codex", json.dumps({"type": "turn.failed", "error": {"message": text}}))
     assert r.limit is not None and r.transient is None
+
+
+# -- usage windows (Codex's rate-limit snapshots, in its rollout files)
+
+
+def test_codex_exec_json_carries_no_windows_its_rollout_does_0_46() -> None:
+    # one run, two outputs: its `--json` stdout has no snapshot; its rollout has one (token_count
+    # with info null at 00:59:38.856Z): primary 0.0 % of 299 minutes, resets in 17388 s; secondary
+    # 7.0 % of 10079 minutes, resets in 491245 s — from the record's time
+    assert read_sample("codex", "exec-json-simple-answer-0.46.jsonl").windows == []
+    r = read_sample("codex", "rollout-token-count-resets-in-seconds-0.46.jsonl")
+    at = datetime(2025, 10, 29, 0, 59, 38, 856000, tzinfo=UTC)
+    assert r.windows == [
+        WindowReading("openai", "five_hour", None, 0.0, at + timedelta(seconds=17388), 299, at),
+        WindowReading("openai", "weekly", None, 0.07, at + timedelta(seconds=491245), 10079, at),
+    ]
+    assert r.windows[1].resets_at == datetime(2025, 11, 3, 17, 27, 3, 856000, tzinfo=UTC)
+    # a rollout is no exec run: no outcome, no tokens are read from it
+    assert (r.final, r.session_id, r.tokens) == (False, None, Tokens())
+
+
+def test_codex_rollout_snapshots_0_104() -> None:
+    r = read_sample("codex", "rollout-vscode-session-0.104.jsonl")
+    # 12 token_count records, two windows each
+    assert len(r.windows) == 24
+    assert {(w.provider, w.window, w.window_minutes, w.status) for w in r.windows} == {
+        ("openai", "five_hour", 300, None), ("openai", "weekly", 10080, None)}
+    first = datetime(2026, 2, 23, 19, 34, 34, 390000, tzinfo=UTC)  # line 12, info null
+    assert r.windows[:2] == [
+        WindowReading("openai", "five_hour", None, 0.04, datetime.fromtimestamp(1771890497, UTC), 300, first),
+        WindowReading("openai", "weekly", None, 0.10, datetime.fromtimestamp(1772355702, UTC), 10080, first),
+    ]
+    # line 21: 7 % and 11 %, the weekly reset a second later (1772355703)
+    assert (r.windows[4].utilization, r.windows[5].utilization) == (0.07, 0.11)
+    assert r.windows[5].resets_at == datetime.fromtimestamp(1772355703, UTC)
+    last = datetime(2026, 2, 23, 19, 36, 2, 633000, tzinfo=UTC)  # line 62, the last token_count
+    assert latest_windows(r.windows) == [
+        WindowReading("openai", "five_hour", None, 0.07, datetime(2026, 2, 23, 23, 48, 17, tzinfo=UTC), 300, last),
+        WindowReading("openai", "weekly", None, 0.11, datetime(2026, 3, 1, 9, 1, 42, tzinfo=UTC), 10080, last),
+    ]
+
+
+def test_codex_window_names_follow_the_minutes_and_the_limit_id() -> None:
+    # constructed records in the 0.104 shape (no real capture has these): a plan whose primary is
+    # the weekly window and has no secondary, a length no name is given for, a model family
+    # metered apart, and the null snapshot of openai/codex#14880
+    def windows(rate_limits: object) -> list[tuple[str, int | None, float | None]]:
+        record = {"timestamp": "2026-02-23T19:34:34.390Z", "type": "event_msg",
+                  "payload": {"type": "token_count", "info": None, "rate_limits": rate_limits}}
+        return [(w.window, w.window_minutes, w.utilization) for w in read("codex", json.dumps(record)).windows]
+
+    assert windows({"limit_id": "codex", "primary": {"used_percent": 24.0, "window_minutes": 10080,
+                                                     "resets_at": 1772355702}, "secondary": None}) == [
+        ("weekly", 10080, 0.24)]
+    assert windows({"primary": {"used_percent": 55.0, "window_minutes": 43800}}) == [("primary", 43800, 0.55)]
+    assert windows({"primary": {"used_percent": 96.0}, "secondary": {"used_percent": 1.0}}) == [
+        ("primary", None, 0.96), ("secondary", None, 0.01)]
+    assert windows({"limit_id": "codex_other", "primary": {"used_percent": 3.0, "window_minutes": 300}}) == [
+        ("codex_other_five_hour", 300, 0.03)]
+    assert windows(None) == []
 
 
 # -- opencode
@@ -559,6 +667,8 @@ HAND_CHECKED = {
     "codex/exec-json-usage-limit-try-again-at-12-16-PM.jsonl",
     "codex/exec-json-rollout-budget-error-turn-failed.jsonl",
     "codex/exec-json-invalid-request-400-turn-failed.jsonl",
+    "codex/rollout-token-count-resets-in-seconds-0.46.jsonl",
+    "codex/rollout-vscode-session-0.104.jsonl",
     "opencode/run-json-bash-tool-two-steps.jsonl",
     "opencode/run-json-step-start-finish-cost.jsonl",
     "opencode/run-json-error-model-not-found-1.14.25.jsonl",

@@ -23,7 +23,15 @@ The task payload steers it (all optional):
 - ``attention``: write it to ``.fleet/attention.json`` as a permission prompt would, then wait;
 - ``limit_attempts``: in attempts 1..N, hit a usage limit the way Claude Code reports one (a result
   record with ``is_error`` and "Claude AI usage limit reached|<epoch>", exit 1), the reset
-  ``limit_reset_in`` seconds (3600) from now; ``limit_message`` replaces the text.
+  ``limit_reset_in`` seconds (3600) from now; ``limit_message`` replaces the text;
+- ``window_warning_at_step``: after that step, report a usage window near its end the way Claude
+  Code does (a ``rate_limit_event`` with status ``allowed_warning``, the shape of
+  tests/agents/corpus/claude/stream-json-multi-turn-cumulative-allowed-warning-2.1.285.jsonl):
+  window ``window_warning_type`` (five_hour), ``window_warning_utilization`` (0.91), its reset
+  ``window_warning_reset_in`` seconds (3600) from now.
+
+Between steps it honours ``.fleet/window_closing.json`` (the shift's word that a usage window is
+about to close): it checkpoints and exits 75, and the next attempt resumes from the checkpoint.
 
 ``--model M`` after the prompt file: the model it was dispatched with, named in its init record.
 ``--script K=V,K=V``: steering for every task of the lane (what a task from an issue tracker, whose
@@ -76,6 +84,19 @@ def result_record(session: str, *, is_error: bool, steps: int, scale: int, text:
                                  "costUSD": round(0.000001 * sub_in, 6)},
         },
     }
+
+
+def rate_limit_event(session: str, window: str, utilization: float, reset_in: float) -> dict[str, Any]:
+    """A Claude Code ``rate_limit_event`` saying ``window`` is near its end (allowed_warning)."""
+    reset = int(time.time() + reset_in)
+    other = "seven_day" if window == "five_hour" else "five_hour"
+    return {"type": "rate_limit_event",
+            "rate_limit_info": {"status": "allowed_warning", "resetsAt": reset, "rateLimitType": window,
+                                "utilization": utilization, "isUsingOverage": False,
+                                "surpassedThreshold": round(utilization - 0.01, 2),
+                                "unifiedWindows": {window: {"utilization": utilization, "resetsAt": reset},
+                                                   other: {"utilization": 0.5, "resetsAt": reset + 3600}}},
+            "uuid": str(uuid.uuid4()), "session_id": session}
 
 
 def commit_step(name: str, message: str) -> None:
@@ -151,7 +172,15 @@ def main(argv: list[str]) -> int:
     steps = int(payload.get("steps", 3))
     per_shift = int(payload.get("steps_per_shift", steps))
     this_attempt = 0
+    warn_at = int(payload.get("window_warning_at_step", 0))
     while done < steps:
+        if (fleet / "window_closing.json").exists():
+            # a safe point between steps: checkpoint, hand off, go on after the window's reset
+            write_json(fleet / "checkpoint.json", {"step": done, "of": steps, "attempt": attempt,
+                                                   "handed_off": "window-closing"})
+            emit(result_record(session, is_error=False, steps=max(this_attempt, 1), scale=scale,
+                               text=f"usage window closing: stopped at step {done}/{steps}; handing off"))
+            return 75
         if mode == "hang":
             time.sleep(3600)
         time.sleep(float(payload.get("sleep", 0.2)))
@@ -166,6 +195,10 @@ def main(argv: list[str]) -> int:
                           "content": [{"type": "text", "text": f"step {done}/{steps}"}],
                           "usage": {"input_tokens": 4 * scale, "cache_creation_input_tokens": 0,
                                     "cache_read_input_tokens": 0, "output_tokens": scale}}})
+        if done == warn_at:
+            emit(rate_limit_event(session, str(payload.get("window_warning_type", "five_hour")),
+                                  float(payload.get("window_warning_utilization", 0.91)),
+                                  float(payload.get("window_warning_reset_in", 3600))))
         if mode == "crash" and done >= 1:
             os.kill(os.getpid(), signal.SIGKILL)
         if this_attempt >= per_shift and done < steps:

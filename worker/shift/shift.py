@@ -6,6 +6,12 @@ results; at the deadline, the task budget, an idle queue (``--once``) or SIGTERM
 claiming, give running agents a grace period (SIGTERM, then SIGKILL), hand off what is
 unfinished with a snapshot, write the lane hand-off and close the session.
 
+While an agent runs, the shift watches the usage windows its output reports (Claude Code's
+``rate_limit_event``, Codex's snapshots): a window near its end (``allowed_warning``, or
+utilisation at WINDOW_HANDOFF_UTILIZATION) is told to the agent once, in
+``.fleet/window_closing.json``; an agent that then exits 75 is handed off with the reason
+``window-closing``, and the run report carries the last reading of each window (``windows``).
+
 Python only carries: every decision about a task's state is a ``fleet.*`` call. A heartbeat that
 says ``lost`` or ``cancelled`` kills that agent at once and nothing more is written for the task
 except its run's token count (the tokens were spent either way).
@@ -31,6 +37,7 @@ from uuid import UUID
 import structlog
 
 from worker.agent.adapters import ADAPTERS, Reading, StreamReader, Tokens
+from worker.agent.adapters.base import WindowReading, latest_windows
 from worker.agent.executor import (
     EX_TEMPFAIL,
     AgentProcess,
@@ -70,6 +77,7 @@ from worker.shift.limits import judge
 from worker.shift.progress import Marks, over_budget, progress_marks, waiting_for
 from worker.store.protocol import Store
 from worker.workspace.disk import disk_use
+from worker.workspace.files import write_atomic
 from worker.workspace.folder import Workspace, prepare, resolve_workspace, safe_name
 
 if TYPE_CHECKING:
@@ -80,6 +88,10 @@ EXIT_OK = 0
 #: queue stays empty; a freed slot or a claimed task claims again at once)
 IDLE_CLAIM_MAX = 5.0
 EXIT_SESSION_LOST = 3
+#: a usage window this full (0..1), or one its provider says is near its end (allowed_warning),
+#: asks the agent to hand off before it closes (``.fleet/window_closing.json``)
+WINDOW_HANDOFF_UTILIZATION = 0.95
+WINDOW_CLOSING = "window_closing.json"
 
 # the outcome of a final call whose effect the database chose (fleet.gate_verdict): the summary
 # counts it by the state the task is left in
@@ -110,6 +122,8 @@ class Job:
     budget: tuple[float | None, int | None] = (None, None)  # the task's: max cost, max tokens
     over_budget: str | None = None  # why the shift stopped the agent for its budget
     progress_marks: Marks = (0, None, None)
+    window_closing: dict[str, Any] | None = None  # what .fleet/window_closing.json told the agent, once
+    windows_seen: int = 0  # how many of the reader's window readings were looked at
 
     @property
     def token(self) -> UUID:
@@ -364,6 +378,7 @@ class Shift:
         try:
             prepare(ws, task, instructions=self.instructions(), lane_handoff=self._lane_handoff,
                     hidden_sets=self.lane.hidden_files, shift_deadline=self.deadline_at)
+            (ws.fleet / WINDOW_CLOSING).unlink(missing_ok=True)  # an earlier attempt's: not this one's
             self._touch_workspace(task, ws)
             env = self.task_env(task, ws, d)
             if gate_only:
@@ -686,6 +701,7 @@ class Shift:
             if job.gate_until is None:
                 job.reader.read(job.log_path)
                 self._check_budget(job)
+                self._check_windows(job)
             code = job.agent.poll()
             timed_out = False
             if code is None and job.gate_until is not None and time.monotonic() > job.gate_until \
@@ -711,6 +727,32 @@ class Shift:
             job.agent.kill()
             self.log.warning("budget crossed: agent stopped", task=job.task.id, spent=over)
 
+    def _check_windows(self, job: Job) -> None:
+        """A usage window near its end: tell the agent once (it checkpoints and exits 75)."""
+        windows = job.reader.reading().windows
+        if job.window_closing is not None or job.killed is not None or job.stopping \
+                or len(windows) == job.windows_seen:
+            return
+        job.windows_seen = len(windows)
+        window = closing_window(windows, WINDOW_HANDOFF_UTILIZATION)
+        if window is None:
+            return
+        asked = {
+            "window": window.window, "utilization": window.utilization,
+            "resets_at": window.resets_at.isoformat() if window.resets_at is not None else None,
+            "asked_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
+        try:
+            write_atomic(job.ws.fleet / WINDOW_CLOSING, json.dumps(asked))
+        except OSError as exc:  # tried again at the next reading
+            self.log.warning("could not ask the agent to hand off before its window closes", task=job.task.id,
+                             error=str(exc))
+            return
+        job.window_closing = asked
+        self.log.info("usage window closing: the agent is asked to hand off", task=job.task.id,
+                      provider=window.provider, window=window.window, status=window.status,
+                      utilization=window.utilization, resets_at=asked["resets_at"])
+
     def _snapshot(self, job: Job, reason: str, code: int | None, agent_session: str | None) -> dict[str, Any]:
         return {
             "reason": reason, "attempt": job.task.attempts, "exit_code": code,
@@ -735,6 +777,8 @@ class Shift:
             report.pop("agent_session", None)  # a new id the agent made up for a session it could not find
         if code != 0:
             report["error_tail"] = tail(job.log_path, 2000)
+        if reading.windows:  # the provider's last word on each usage window (fleet.pool_windows)
+            report["windows"] = [w.report() for w in latest_windows(reading.windows)]
         self._record(job, report)  # tokens count even when the lease is gone
         if job.killed is not None:
             log.info("agent ended after its lease was gone", reason=job.killed)
@@ -753,10 +797,13 @@ class Shift:
             log.warning("blocked: the run crossed the task's budget", spent=over, state=state)
             return
         if code == EX_TEMPFAIL or ((job.stopping or job.fenced) and code != 0):
-            why = ("agent asked to hand off (exit 75)" if code == EX_TEMPFAIL
+            why = ("window-closing" if code == EX_TEMPFAIL and job.window_closing is not None
+                   else "agent asked to hand off (exit 75)" if code == EX_TEMPFAIL
                    else "stopped before the shift's lease could run out (it could not be renewed in time)"
                    if job.fenced and not job.stopping else f"shift ended ({self._stop_reason})")
             snap = self._snapshot(job, why, code, reading.session_id)
+            if why == "window-closing":
+                snap["window_closing"] = job.window_closing
             self._git_push(job, commit_wip=True)
             state = self._call(tid, lambda: self.store.hand_off(tid, token, snap), "handed_off")
             if state is not None:  # else _call said why (refused, or pending)
@@ -1013,6 +1060,17 @@ class Shift:
         self.log.info("shift ended", reason=reason, claimed=self.summary.claimed, **self.summary.outcomes)
         self._fence.stop()
         self._guard.stop()  # last: an agent's `fleet guard` now finds no shift, and refuses
+
+
+def closing_window(windows: list[WindowReading], threshold: float) -> WindowReading | None:
+    """The first window whose last reading says it is near its end: ``allowed_warning``, or
+    utilisation at ``threshold`` or more (a rejected one is the throttle's, not a hand-off's)."""
+    for w in latest_windows(windows):
+        if w.status == "rejected":
+            continue
+        if w.status == "allowed_warning" or (w.utilization is not None and w.utilization >= threshold):
+            return w
+    return None
 
 
 def _no_sandbox(lane: str, rules: AgentRules, why: str) -> tuple[str, str]:

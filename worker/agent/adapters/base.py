@@ -11,6 +11,11 @@ Token kinds are normalised across CLIs: ``input`` is fresh input (never cached),
 and ``cache_read`` the cached parts, ``output`` every output token billed (reasoning included),
 ``reasoning`` the part of ``output`` the CLI reports as reasoning/thinking (informational: it is
 never added to a total again).
+
+Usage windows are normalised too (:class:`WindowReading`): what a provider said of one of its
+metered windows (Claude Code's ``rate_limit_event``, Codex's rate-limit snapshots), utilisation as
+a fraction 0..1. ``Reading.windows`` keeps every one the output carried, in order;
+:func:`latest_windows` is the last word on each window.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +78,37 @@ class Signal:
     after_seconds: float | None = None  # or a delay it named
 
 
+@dataclass(frozen=True)
+class WindowReading:
+    """What the provider said of one of its usage windows at one point of the run."""
+
+    provider: str  # "anthropic" | "openai"
+    window: str  # the CLI's name: five_hour, seven_day, seven_day_opus …; Codex: five_hour/weekly, else primary/secondary
+    status: str | None = None  # allowed | allowed_warning | rejected; None: not said
+    utilization: float | None = None  # how full, 0..1; None: not said
+    resets_at: datetime | None = None
+    window_minutes: int | None = None  # the window's length; None: unknown
+    at: datetime | None = None  # the time of the record that said it, if it has one
+
+    def report(self) -> dict[str, Any]:
+        """The window as the run report carries it (``fleet.record_run``'s ``windows``)."""
+        return {"provider": self.provider, "window": self.window, "status": self.status,
+                "utilization": self.utilization,
+                "resets_at": self.resets_at.isoformat() if self.resets_at is not None else None,
+                "window_minutes": self.window_minutes}
+
+
+WINDOW_STATUSES = frozenset({"allowed", "allowed_warning", "rejected"})
+
+
+def latest_windows(windows: list[WindowReading]) -> list[WindowReading]:
+    """The last reading of each (provider, window), in the order the windows were first seen."""
+    last: dict[tuple[str, str], WindowReading] = {}
+    for w in windows:
+        last[(w.provider, w.window)] = w
+    return list(last.values())
+
+
 @dataclass
 class Reading:
     """What a run's output has shown so far."""
@@ -91,6 +127,7 @@ class Reading:
     limit: Signal | None = None  # a usage limit, as a structured record said it
     transient: Signal | None = None  # a provider-side error that says nothing about the work
     session_missing: Signal | None = None  # the agent could not resume the session it was given
+    windows: list[WindowReading] = field(default_factory=list)  # every usage-window reading, in order
 
     @property
     def models(self) -> list[str]:
@@ -217,3 +254,28 @@ def epoch(value: Any) -> datetime | None:
     if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < 1e11:
         return datetime.fromtimestamp(value, UTC)
     return None
+
+
+def fraction(value: Any, scale: float = 1.0) -> float | None:
+    """A utilisation as a CLI prints it (``scale`` 100 for a percentage): a number in 0..1, else None."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= scale:
+        return float(value) / scale
+    return None
+
+
+def timestamp(value: Any) -> datetime | None:
+    """A record's ISO 8601 time (``2026-02-23T19:34:34.390Z``), else None."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        found = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return found if found.tzinfo is not None else found.replace(tzinfo=UTC)
+
+
+def later(at: datetime | None, seconds: Any) -> datetime | None:
+    """``seconds`` (a non-negative number) after ``at``; None without either."""
+    if at is None or not isinstance(seconds, int | float) or isinstance(seconds, bool) or seconds < 0:
+        return None
+    return at + timedelta(seconds=seconds)

@@ -26,6 +26,12 @@ What is read:
   limit's wording ("Weekly limit reached ∙ resets 5am": stream-json-weekly-limit-reached-tail-exit0),
   ``api_error_status`` 429 or a limit's wording on an ``is_error`` result. The signal's text is the
   synthetic assistant's wording when there is one: the shift reads the reset from it;
+- usage windows: every ``rate_limit_event``'s ``rate_limit_info`` (any status): the window it
+  names (``rateLimitType``: five_hour, seven_day, seven_day_opus …) with its ``status``,
+  ``utilization`` (0..1) and ``resetsAt``, and each of ``unifiedWindows{name: {utilization,
+  resetsAt}}`` (stream-json-multi-turn-cumulative-allowed-warning-2.1.285: allowed_warning on
+  seven_day at 0.77, five_hour at 0.5 beside it). The status belongs to the named window only;
+  the length is known from the name (five_hour 300 minutes, seven_day* 10 080);
 - transient: an ``is_error`` result with ``api_error_status`` 500/502/503/504/529 or an API-error
   wording (limits/api-error-wordings.jsonl). Authentication failures ("Not logged in") are neither.
 """
@@ -38,13 +44,17 @@ from typing import Any
 
 from worker.agent.adapters import Adapter
 from worker.agent.adapters.base import (
+    WINDOW_STATUSES,
     Signal,
     StreamReader,
     Tokens,
+    WindowReading,
     clip,
     count,
     epoch,
+    fraction,
     money,
+    timestamp,
     transient_wording,
 )
 
@@ -55,6 +65,16 @@ _SYNTHETIC = "<synthetic>"
 # reached your specified API usage limits"
 _LIMIT_TEXT = re.compile(r"limit reached|hit your (?:\w+ )?limit|usage limits?\b", re.IGNORECASE)
 _TRANSIENT_STATUS = frozenset({500, 502, 503, 504, 529})
+_PROVIDER = "anthropic"
+
+
+def _window_minutes(name: str) -> int | None:
+    """A Claude window's length, as its name says it."""
+    if name == "five_hour":
+        return 300
+    if name == "seven_day" or name.startswith("seven_day_"):
+        return 7 * 24 * 60
+    return None
 
 
 def _larger(a: Tokens, b: Tokens) -> Tokens:
@@ -126,9 +146,31 @@ class ClaudeReader(StreamReader):
 
     def _rate_limit(self, obj: dict[str, Any]) -> None:
         info = obj.get("rate_limit_info")
-        if not isinstance(info, dict) or info.get("status") != "rejected":
+        if not isinstance(info, dict):
+            return
+        self._windows(info, timestamp(obj.get("timestamp")))
+        if info.get("status") != "rejected":
             return  # allowed / allowed_warning: ordinary sessions carry them
         self.out.limit = Signal("rate_limit_event rejected", json.dumps(obj)[:500], epoch(info.get("resetsAt")))
+
+    def _windows(self, info: dict[str, Any], at: Any) -> None:
+        """The windows one ``rate_limit_info`` speaks of: the one it names, then its unifiedWindows."""
+        named = info.get("rateLimitType") if isinstance(info.get("rateLimitType"), str) else None
+        status = info.get("status") if info.get("status") in WINDOW_STATUSES else None
+        listed = info.get("unifiedWindows")
+        unified: dict[str, Any] = listed if isinstance(listed, dict) else {}
+        names = [named] if named else []
+        names += [n for n in unified if isinstance(n, str) and n and n != named]
+        for name in names:
+            found = unified.get(name)
+            each: dict[str, Any] = found if isinstance(found, dict) else {}
+            own = name == named
+            utilization = fraction(info.get("utilization")) if own else None
+            reset = epoch(info.get("resetsAt")) if own else None
+            self.out.windows.append(WindowReading(
+                _PROVIDER, name, status if own else None,
+                utilization if utilization is not None else fraction(each.get("utilization")),
+                reset if reset is not None else epoch(each.get("resetsAt")), _window_minutes(name), at))
 
     def _result(self, obj: dict[str, Any]) -> None:
         out = self.out

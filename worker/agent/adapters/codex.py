@@ -25,7 +25,18 @@ What is read:
 - limits: only wording, in ``error``/``turn.failed`` messages ("You've hit your usage limit … try
   again at 12:16 PM", the backend's ``usage_limit_reached`` body with ``resets_at``); transient:
   "exceeded retry limit, last status: 5xx", "stream disconnected", 5xx, "overloaded". A 401 is an
-  ordinary failure.
+  ordinary failure;
+- usage windows: ``codex exec --json`` prints none (its ThreadEvent has no rate-limit event, and
+  its JSONL processor drops the app-server's rate-limit notifications: corpus README "Codex usage
+  windows"). They are in the session's rollout file (``~/.codex/sessions/…/rollout-*.jsonl``):
+  ``{"timestamp", "type":"event_msg", "payload":{"type":"token_count", "rate_limits":{"primary",
+  "secondary"}}}``, each window ``used_percent`` (0..100), ``window_minutes`` and ``resets_at``
+  (epoch; 0.46 wrote ``resets_in_seconds`` from the record's time, and 299/10079 minutes). Such
+  records are read wherever they appear in the log (a wrapper that follows the rollout):
+  rollout-token-count-resets-in-seconds-0.46.jsonl, rollout-vscode-session-0.104.jsonl. A window is
+  named ``five_hour``/``weekly`` when its minutes say so (within 2 minutes of 300/10 080), else
+  ``primary``/``secondary``; a ``limit_id`` other than "codex" (a model family metered apart)
+  prefixes the name. A snapshot has no status.
 """
 
 from __future__ import annotations
@@ -34,13 +45,35 @@ import re
 from typing import Any
 
 from worker.agent.adapters import Adapter
-from worker.agent.adapters.base import Signal, StreamReader, Tokens, clip, count, epoch
+from worker.agent.adapters.base import (
+    Signal,
+    StreamReader,
+    Tokens,
+    WindowReading,
+    clip,
+    count,
+    epoch,
+    fraction,
+    later,
+    timestamp,
+)
 
 _RECONNECTING = re.compile(r"^\s*Reconnecting\.\.\.\s*\d+/\d+", re.IGNORECASE)
 _LIMIT = re.compile(r"usage limit|usage_limit_reached|rate limit|last status: 429\b|Too Many Requests", re.IGNORECASE)
 _RESETS_AT = re.compile(r'"resets_at"\s*:\s*(\d{9,11})\b')
 _TRANSIENT = re.compile(r"last status: 5\d\d\b|stream disconnected|\b(?:500|502|503|504|529)\b|overloaded|"
                         r"Internal Server Error|Bad Gateway|Service Unavailable", re.IGNORECASE)
+_PROVIDER = "openai"
+# the windows' lengths a name is given for (0.46 wrote 299 and 10079 for the same windows)
+_NAMED_MINUTES = ((300, "five_hour"), (7 * 24 * 60, "weekly"))
+
+
+def _window_name(slot: str, minutes: int | None) -> str:
+    """``five_hour``/``weekly`` when the minutes say so, else the slot (primary, secondary)."""
+    for length, name in _NAMED_MINUTES:
+        if minutes is not None and abs(minutes - length) <= 2:
+            return name
+    return slot
 
 
 class CodexReader(StreamReader):
@@ -65,6 +98,25 @@ class CodexReader(StreamReader):
             message = obj.get("message")
             if not (isinstance(message, str) and _RECONNECTING.match(message)):
                 self._failed("error", message)
+        elif kind == "event_msg":
+            payload = obj.get("payload")
+            if isinstance(payload, dict) and payload.get("type") == "token_count":
+                self._rate_limits(payload.get("rate_limits"), timestamp(obj.get("timestamp")))
+
+    def _rate_limits(self, snapshot: Any, at: Any) -> None:
+        """A rollout's rate-limit snapshot (``null`` in some builds' exec sessions: openai/codex#14880)."""
+        if not isinstance(snapshot, dict):
+            return
+        limit_id = snapshot.get("limit_id")
+        prefix = f"{limit_id}_" if isinstance(limit_id, str) and limit_id and limit_id != "codex" else ""
+        for slot in ("primary", "secondary"):
+            window = snapshot.get(slot)
+            if not isinstance(window, dict):
+                continue
+            minutes = count(window.get("window_minutes")) or None
+            reset = epoch(window.get("resets_at")) or later(at, window.get("resets_in_seconds"))
+            self.out.windows.append(WindowReading(_PROVIDER, prefix + _window_name(slot, minutes), None,
+                                                  fraction(window.get("used_percent"), 100.0), reset, minutes, at))
 
     def _completed(self, usage: Any) -> None:
         out = self.out
