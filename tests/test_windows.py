@@ -42,3 +42,27 @@ def test_claims_spill_to_the_second_pool_before_the_first_windows_budget_is_cros
         assert "usage windows" in status.stdout and "five_hour" in status.stdout
     finally:
         fleet.close()
+
+
+def test_the_providers_reading_in_a_real_run_corrects_the_estimate(db_url: str, tmp_path: Path) -> None:
+    """Claude Code's rate_limit_event (as the scripted agent prints it, in the shape of a real
+    capture) lands in fleet.pool_window_readings; the window's figure is then the provider's."""
+    script = "steps=3,sleep=0.05,tokens=100,window_warning_at_step=1,window_warning_type=five_hour,window_warning_utilization=0.6"
+    profiles = {"claude": {"command": [*AGENT, "--script", script], "agent": "claude", "pool": "max"}}
+    pools = {"max": {"slots": 2, "windows": {"five_hour": {"hours": 5, "budget_tokens": 1_000_000}}}}
+    lane = lane_defaults(profile="claude")
+    del lane["command"]
+    fleet = Fleet(Backend("postgres", db_url), tmp_path, {"work": lane}, tables={"pools": pools, "profiles": profiles})
+    try:
+        task_id = fleet.enqueue("work", "warned")
+        fleet.run_shift("work", max_tasks=1)
+        (reading,) = fleet.sql("select * from fleet.pool_window_readings where pool = 'max' and window_name = 'five_hour'")
+        assert float(reading["utilization"]) == 0.6 and reading["status"] == "allowed_warning"
+        (w,) = fleet.sql("select * from fleet.pool_windows where pool = 'max'")
+        assert w["source"] == "provider" and float(w["utilization"]) >= 0.6
+        # what the runs said then: this run's tokens over the budget, far below the provider's 0.6
+        estimate = float(reading["estimate_utilization"])
+        assert estimate < 0.01 and abs(float(w["estimate_off_by"]) - (0.6 - estimate)) < 1e-4
+        assert fleet.runs(task_id)[0]["pool"] == "max"
+    finally:
+        fleet.close()
