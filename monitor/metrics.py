@@ -146,6 +146,7 @@ def metrics_payload(store: MetricsStore, registry: CollectorRegistry | None = No
     except FleetError as exc:
         raise MetricsUnavailable(f"cannot read the fleet's metrics: {exc.message}", exc.hint) from exc
     except Exception as exc:  # a driver's own error (psycopg, httpx) the store did not name
-        raise MetricsUnavailable(f"cannot read the fleet's metrics: {type(exc).__name__}: {exc}") from exc
+        first = (str(exc).strip().splitlines() or [""])[0]  # (a server's error quotes the statement below it)
+        raise MetricsUnavailable(f"cannot read the fleet's metrics: {type(exc).__name__}: {first}") from exc
     return body, CONTENT_TYPE_LATEST
 
