@@ -93,92 +93,97 @@ create or replace trigger lane_totals_update after update on fleet.lane_hours
 -- lanes and of the pools they draw from, counted from its lanes' rows alone.
 create or replace function fleet.metrics()
 returns jsonb
-language sql
+language plpgsql
 stable
 as $$
-    with total as (
-        -- the counters per lane: the hours rolled up (their sums: fleet.lane_totals), and the
-        -- hours after them computed live, as fleet.lane_hours_since() does
-        select c.lane,
-               sum(c.enqueued) as enqueued, sum(c.routed_in) as routed_in, sum(c.started) as claims,
-               sum(c.done) as completions, sum(c.routed) as routes, sum(c.failed) as failures,
-               sum(c.handed_off) as handoffs, sum(c.lost) as repairs, sum(c.cancelled) as cancellations,
-               sum(c.input_tokens) as input_tokens, sum(c.cache_creation_tokens) as cache_creation_tokens,
-               sum(c.cache_read_tokens) as cache_read_tokens, sum(c.output_tokens) as output_tokens,
-               sum(c.cost_usd) as cost_usd
-          from (select lt.lane, lt.enqueued, lt.routed_in, lt.started, lt.done, lt.routed, lt.failed,
-                       lt.handed_off, lt.lost, lt.cancelled, lt.input_tokens, lt.cache_creation_tokens,
-                       lt.cache_read_tokens, lt.output_tokens, lt.cost_usd
-                  from fleet.lane_totals lt
-                union all
-                select h.lane, h.enqueued, h.routed_in, h.started, h.done, h.routed, h.failed,
-                       h.handed_off, h.lost, h.cancelled, h.input_tokens, h.cache_creation_tokens,
-                       h.cache_read_tokens, h.output_tokens, h.cost_usd
-                  from fleet.lane_hours_between(coalesce(fleet.lane_hours_rolled_until(), '-infinity'),
-                                                'infinity') h) c
-         group by c.lane
-    ), per_lane as (
-        select o.lane, x.metric, x.label, x.value
-          from fleet.lane_overview o
-          left join total h on h.lane = o.lane
-         cross join lateral (values
-               ('tasks', 'queued', o.queued::double precision),
-               ('tasks', 'running', o.running),
-               ('tasks', 'blocked', o.blocked),
-               ('tasks', 'review', o.in_review),
-               -- the states lane_overview leaves out: tasks_ci, and tasks_lane_state (index only)
-               ('tasks', 'ci', (select count(*) from fleet.tasks t where t.lane = o.lane and t.state = 'ci')),
-               ('tasks', 'batched', (select count(*) from fleet.tasks t where t.lane = o.lane and t.state = 'batched')),
-               ('tasks', 'dead', (select count(*) from fleet.tasks t where t.lane = o.lane and t.state = 'dead')),
-               ('tasks_ready', null, o.ready),
-               ('tasks_needing_attention', null, o.needs_attention),
-               ('oldest_ready_seconds', null, coalesce(o.oldest_ready_seconds, 0)),
-               ('lane_slots', null, o.slots),
-               ('lane_idle_slots', null, o.idle_slots),
-               ('lane_paused', null, case when o.paused then 1 else 0 end),
-               ('shifts_active', null, o.active_sessions),
-               ('enqueued_total', null, coalesce(h.enqueued, 0)),
-               ('routed_in_total', null, coalesce(h.routed_in, 0)),
-               ('claims_total', null, coalesce(h.claims, 0)),
-               ('completions_total', null, coalesce(h.completions, 0)),
-               ('routes_total', null, coalesce(h.routes, 0)),
-               ('failures_total', null, coalesce(h.failures, 0)),
-               ('handoffs_total', null, coalesce(h.handoffs, 0)),
-               ('repairs_total', null, coalesce(h.repairs, 0)),
-               ('cancellations_total', null, coalesce(h.cancellations, 0)),
-               ('tokens_total', 'input', coalesce(h.input_tokens, 0)),
-               ('tokens_total', 'cache_creation', coalesce(h.cache_creation_tokens, 0)),
-               ('tokens_total', 'cache_read', coalesce(h.cache_read_tokens, 0)),
-               ('tokens_total', 'output', coalesce(h.output_tokens, 0)),
-               ('cost_usd_total', null, coalesce(h.cost_usd, 0))) x (metric, label, value)
-    ), samples as (
-        select p.metric, p.lane, null as pool, p.label, p.value from per_lane p where p.value is not null
-        union all
-        -- usage limits hit, by lane and pool: every throttle ends its run as throttled (runs_throttled)
-        select 'throttles_total', r.lane, r.pool, null, count(*)
-          from fleet.runs r where r.outcome = 'throttled'
-         group by r.lane, r.pool
-        union all
-        -- the pools now: fleet.pool_overview
-        select x.metric, null, po.pool, null, x.value
-          from fleet.pool_overview po
-         cross join lateral (values
-               ('pool_slots', po.slots::double precision),
-               ('pool_in_use', po.in_use),
-               ('pool_throttled', case when po.throttled_until is not null then 1 else 0 end),
-               ('pool_throttled_seconds', coalesce(extract(epoch from po.throttled_until - now()), 0))) x (metric, value)
-         where x.value is not null
-    )
-    select coalesce(jsonb_agg(jsonb_build_object('metric', s.metric, 'lane', s.lane, 'pool', s.pool,
-                                                 'label', s.label, 'value', s.value)
-                              order by s.metric, s.lane, s.pool, s.label), '[]')
-      from samples s;
+begin
+    -- (PL/pgSQL, for its plan: the connection keeps it; planning this statement costs more than running it)
+    return (
+        with total as (
+            -- the counters per lane: the hours rolled up (their sums: fleet.lane_totals), and the
+            -- hours after them computed live, as fleet.lane_hours_since() does
+            select c.lane,
+                   sum(c.enqueued) as enqueued, sum(c.routed_in) as routed_in, sum(c.started) as claims,
+                   sum(c.done) as completions, sum(c.routed) as routes, sum(c.failed) as failures,
+                   sum(c.handed_off) as handoffs, sum(c.lost) as repairs, sum(c.cancelled) as cancellations,
+                   sum(c.input_tokens) as input_tokens, sum(c.cache_creation_tokens) as cache_creation_tokens,
+                   sum(c.cache_read_tokens) as cache_read_tokens, sum(c.output_tokens) as output_tokens,
+                   sum(c.cost_usd) as cost_usd
+              from (select lt.lane, lt.enqueued, lt.routed_in, lt.started, lt.done, lt.routed, lt.failed,
+                           lt.handed_off, lt.lost, lt.cancelled, lt.input_tokens, lt.cache_creation_tokens,
+                           lt.cache_read_tokens, lt.output_tokens, lt.cost_usd
+                      from fleet.lane_totals lt
+                    union all
+                    select h.lane, h.enqueued, h.routed_in, h.started, h.done, h.routed, h.failed,
+                           h.handed_off, h.lost, h.cancelled, h.input_tokens, h.cache_creation_tokens,
+                           h.cache_read_tokens, h.output_tokens, h.cost_usd
+                      from fleet.lane_hours_between(coalesce(fleet.lane_hours_rolled_until(), '-infinity'),
+                                                    'infinity') h) c
+             group by c.lane
+        ), per_lane as (
+            select o.lane, x.metric, x.label, x.value
+              from fleet.lane_overview o
+              left join total h on h.lane = o.lane
+             cross join lateral (values
+                   ('tasks', 'queued', o.queued::double precision),
+                   ('tasks', 'running', o.running),
+                   ('tasks', 'blocked', o.blocked),
+                   ('tasks', 'review', o.in_review),
+                   -- the states lane_overview leaves out: tasks_ci, and tasks_lane_state (index only)
+                   ('tasks', 'ci', (select count(*) from fleet.tasks t where t.lane = o.lane and t.state = 'ci')),
+                   ('tasks', 'batched', (select count(*) from fleet.tasks t where t.lane = o.lane and t.state = 'batched')),
+                   ('tasks', 'dead', (select count(*) from fleet.tasks t where t.lane = o.lane and t.state = 'dead')),
+                   ('tasks_ready', null, o.ready),
+                   ('tasks_needing_attention', null, o.needs_attention),
+                   ('oldest_ready_seconds', null, coalesce(o.oldest_ready_seconds, 0)),
+                   ('lane_slots', null, o.slots),
+                   ('lane_idle_slots', null, o.idle_slots),
+                   ('lane_paused', null, case when o.paused then 1 else 0 end),
+                   ('shifts_active', null, o.active_sessions),
+                   ('enqueued_total', null, coalesce(h.enqueued, 0)),
+                   ('routed_in_total', null, coalesce(h.routed_in, 0)),
+                   ('claims_total', null, coalesce(h.claims, 0)),
+                   ('completions_total', null, coalesce(h.completions, 0)),
+                   ('routes_total', null, coalesce(h.routes, 0)),
+                   ('failures_total', null, coalesce(h.failures, 0)),
+                   ('handoffs_total', null, coalesce(h.handoffs, 0)),
+                   ('repairs_total', null, coalesce(h.repairs, 0)),
+                   ('cancellations_total', null, coalesce(h.cancellations, 0)),
+                   ('tokens_total', 'input', coalesce(h.input_tokens, 0)),
+                   ('tokens_total', 'cache_creation', coalesce(h.cache_creation_tokens, 0)),
+                   ('tokens_total', 'cache_read', coalesce(h.cache_read_tokens, 0)),
+                   ('tokens_total', 'output', coalesce(h.output_tokens, 0)),
+                   ('cost_usd_total', null, coalesce(h.cost_usd, 0))) x (metric, label, value)
+        ), samples as (
+            select p.metric, p.lane, null as pool, p.label, p.value from per_lane p where p.value is not null
+            union all
+            -- usage limits hit, by lane and pool: every throttle ends its run as throttled (runs_throttled)
+            select 'throttles_total', r.lane, r.pool, null, count(*)
+              from fleet.runs r where r.outcome = 'throttled'
+             group by r.lane, r.pool
+            union all
+            -- the pools now: fleet.pool_overview
+            select x.metric, null, po.pool, null, x.value
+              from fleet.pool_overview po
+             cross join lateral (values
+                   ('pool_slots', po.slots::double precision),
+                   ('pool_in_use', po.in_use),
+                   ('pool_throttled', case when po.throttled_until is not null then 1 else 0 end),
+                   ('pool_throttled_seconds', coalesce(extract(epoch from po.throttled_until - now()), 0))) x (metric, value)
+             where x.value is not null
+        )
+        select coalesce(jsonb_agg(jsonb_build_object('metric', s.metric, 'lane', s.lane, 'pool', s.pool,
+                                                     'label', s.label, 'value', s.value)
+                                  order by s.metric, s.lane, s.pool, s.label), '[]')
+          from samples s
+    );
+end
 $$;
 comment on function fleet.metrics() is
     'Every sample of a Prometheus scrape, a JSON array of {metric, lane, pool, label, value}: tasks by '
     'state, ready, oldest ready age, slots, idle slots, paused, shifts (fleet.lane_overview); claims, '
     'completions, failures, repairs, tokens by kind, cost and more as counters since the first hour '
-    'rolled up (fleet.lane_totals + the hours computed live); throttles by lane and pool; pool slots, in use, throttled '
-    '(fleet.pool_overview). A key limited to some lanes gets its lanes'' samples.';
+    'rolled up (fleet.lane_totals + the hours computed live); throttles by lane and pool; pool slots, '
+    'in use, throttled (fleet.pool_overview). A key limited to some lanes gets its lanes'' samples.';
 revoke all on function fleet.metrics() from public;
 grant execute on function fleet.metrics() to fleet_operator, service_role;

@@ -18,9 +18,11 @@ from sqlkit import (
     enqueue,
     explain,
     fail,
+    function_body,
     hand_off,
     one,
     open_session,
+    parenthesised_after,
     record_run,
     release,
     roll_up,
@@ -241,8 +243,7 @@ def test_the_scrape_reads_no_table_whole(long_history: psycopg.Connection) -> No
           from fleet.tasks t where t.state = 'done'""")
     conn.execute("analyze fleet.runs")
     roll_up(conn)
-    body = one(conn, "select prosrc from pg_proc where oid = 'fleet.metrics()'::regprocedure")
-    nodes = explain(conn, body)
+    nodes = explain(conn, parenthesised_after(function_body(conn, "fleet.metrics()"), "return"))
     for table in ("tasks", "runs", "events", "sessions", "lane_hours"):
         scans = scans_of(nodes, table)
         assert all(kind != "Seq Scan" for kind, _ in scans), (table, scans)
