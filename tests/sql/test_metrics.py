@@ -48,9 +48,13 @@ def usage(tokens: int, cost: float) -> dict[str, Any]:
             "output_tokens": 4 * tokens, "cost_usd": cost, "model": "m-test"}
 
 
+def block(conn: psycopg.Connection, task_id: int, token: Any, reason: str, evidence: str) -> str:
+    return str(one(conn, "select fleet.block(%s, %s, %s, %s)", (task_id, token, reason, evidence)))
+
+
 def build_history(conn: psycopg.Connection) -> dict[str, int]:
     """Lane ``a`` (3 slots, profile ``prof`` drawing from pool ``pool`` of 2 slots) and lane ``b``
-    (review, no limit): every outcome a scrape counts, made by the SQL API."""
+    (review, no limit, a batch of two): every outcome a scrape counts, made by the SQL API."""
     one(conn, "select fleet.sync_pool('pool', 2)")
     one(conn, "select fleet.sync_profile('prof', 'pool', '{}')")
     sync_lane(conn, "a", max_running=3, max_attempts=2, backoff_base_seconds=0, config={"profile": "prof"})
@@ -85,11 +89,10 @@ def build_history(conn: psycopg.Connection) -> dict[str, int]:
     record_run(conn, b1["lease_token"], usage(1000, 1.5))
     assert complete(conn, b1["id"], b1["lease_token"]) == "review"
     call(conn, "close_session", sb, "deadline", {})
+    for key in ("b3", "b4"):
+        enqueue(conn, "b", key)
+    call(conn, "batch_create", "b", ["b3", "b4"], 4, None)  # its members wait in state batched
     return ids
-
-
-def block(conn: psycopg.Connection, task_id: int, token: Any, reason: str, evidence: str) -> str:
-    return str(one(conn, "select fleet.block(%s, %s, %s, %s)", (task_id, token, reason, evidence)))
 
 
 def direct(conn: psycopg.Connection, lane: str) -> dict[str, float]:
@@ -134,6 +137,7 @@ def test_metrics_are_the_counts_of_the_tables(conn: psycopg.Connection) -> None:
             a["tasks/dead"], a["repairs_total"], a["failures_total"], a["handoffs_total"]) == (
         5, 3, 1, 1, 1, 1, 1, 3, 1)
     assert m[("tasks", "b", None, "review")] == 1
+    assert m[("tasks", "b", None, "batched")] == 2
     assert m[("tokens_total", "b", None, "output")] == 4000
     assert m[("cost_usd_total", "b", None, None)] == 1.5
     # slots and the oldest ready task
@@ -189,7 +193,7 @@ def test_counters_never_go_down_across_a_roll_up(conn: psycopg.Connection) -> No
 
     # more work in the hour not rolled up yet, then that hour rolled up too
     s = open_session(conn, "b")
-    t = enqueue(conn, "b", "b3")
+    t = enqueue(conn, "b", "b5")
     tok = take(conn, s, t)["lease_token"]
     record_run(conn, tok, usage(5, 0.05))
     complete(conn, t, tok)
