@@ -8,7 +8,6 @@ reload. Reads and actions run in Starlette's thread pool: the stores are synchro
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -181,17 +180,19 @@ def make_app(console: Console) -> Starlette:
         return RedirectResponse("/login", status_code=303)
 
     def metrics(request: Request) -> Response:
-        """``/metrics`` when monitor/metrics.py is there (the Prometheus exposition); it reads with
-        the host's store, so only where no login is needed (loopback) or with the console token."""
+        """``/metrics``, the Prometheus exposition (monitor.metrics); it reads with the host's store,
+        so only where no login is needed (loopback) or with the console token. 503 with one line
+        when the store cannot be read."""
+        from monitor.metrics import MetricsUnavailable, metrics_payload
+
         bearer = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         if access.login_required and not access.token_ok(bearer):
             return PlainTextResponse("refused: /metrics needs the console token as a Bearer token\n", 401)
-        try:
-            module = importlib.import_module("monitor.metrics")  # wired after both branches merge
-        except ModuleNotFoundError:
-            return PlainTextResponse("no metrics in this build (monitor/metrics.py)\n", 404)
         assert access.host_store is not None
-        body, content_type = module.metrics_payload(access.host_store)
+        try:
+            body, content_type = metrics_payload(access.host_store)
+        except MetricsUnavailable as exc:
+            return PlainTextResponse(f"{exc}\n", 503)
         return Response(body, media_type=content_type)
 
     def health(_request: Request) -> Response:

@@ -66,3 +66,19 @@ def test_every_page_renders_with_the_data(fleet: Fleet, console) -> None:
         history = c.get("/history", params={"window": "1h"}).text
         assert re.search(r'data-figure="tasks">4<', history), history
         assert c.get("/history", params={"window": "soon"}).status_code == 400
+
+
+def test_the_console_serves_metrics_with_the_pools_windows(fleet: Fleet, console) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    build(fleet)
+    web = console()
+    with web.client() as c:
+        got = c.get("/metrics")
+    assert got.status_code == 200, got.text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(got.text) for s in f.samples}
+    used = fleet.sql("select utilization from fleet.pool_windows where pool = 'max'")[0]["utilization"]
+    assert samples[("lanefleet_pool_window_utilization", (("pool", "max"), ("window", "five_hour")))] == float(used)
+    ready = fleet.sql("select count(*) as n from fleet.tasks where lane = 'work' and state = 'queued' and run_at <= now()")
+    assert samples[("lanefleet_tasks_ready", (("lane", "work"),))] == ready[0]["n"]

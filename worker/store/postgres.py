@@ -439,6 +439,10 @@ class PostgresStore(NamedReads):
         """fleet.workspace_usage: disk use per lane and host."""
         return self._run("select * from fleet.workspace_usage order by lane, host")
 
+    def metrics_rows(self) -> list[dict[str, Any]]:
+        """fleet.metrics(): every sample of a Prometheus scrape, as {metric, lane, pool, label, value}."""
+        return list(self._one("select fleet.metrics()") or [])
+
     # -- reads
 
     def query(self, name: str, **params: Any) -> list[dict[str, Any]]:

@@ -416,6 +416,10 @@ class SupabaseStore(NamedReads):
         return self._rows("workspace_usage", lambda c: c.table("workspace_usage").select("*")
                           .order("lane").order("host"))
 
+    def metrics_rows(self) -> list[dict[str, Any]]:
+        """fleet.metrics() over RPC (see :meth:`worker.store.postgres.PostgresStore.metrics_rows`)."""
+        return [dict(r) for r in self._rpc("metrics", {}) or []]  # one jsonb value: no db-max-rows cut
+
     # -- reads
 
     def check_schema(self) -> None:
