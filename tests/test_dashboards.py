@@ -436,7 +436,7 @@ def test_snapshot_is_one_json_line_of_everything(db_url: str, home: Path, world:
     assert data["snapshot"] == "lanefleet" and data["version"] == 1
     assert set(data) == {"snapshot", "version", "taken_at", "since", "lanes", "stuck", "sessions", "repairs",
                          "dead_letters", "throughput", "usage", "usage_totals", "usage_total", "cohort", "cohort_by_lane",
-                         "cohort_split"}
+                         "cohort_split", "windows", "window_outcomes"}
     status = json.loads(ok(run_fleet("status", "--json", url=db_url, home=home)))
     strip = ("oldest_ready_seconds",)
     assert [{k: v for k, v in r.items() if k not in strip} for r in data["lanes"]] == [
