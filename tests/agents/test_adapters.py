@@ -453,6 +453,36 @@ def test_codex_exec_json_carries_no_windows_its_rollout_does_0_46() -> None:
     assert (r.final, r.session_id, r.tokens) == (False, None, Tokens())
 
 
+def test_a_codex_run_reads_the_windows_of_its_session_rollout(tmp_path: Path) -> None:
+    """`codex exec --json` prints no rate limits; the shift finds the run's rollout by its thread id
+    under the agent's homes (CODEX_HOME, the sandbox's home, the user's) and reads its snapshots."""
+    from worker.shift.shift import session_windows
+
+    thread = "019a2d7a-41c4-78b1-b7cc-a45d62a89cd5"  # the 0.46 run's thread, in the rollout's session_meta
+    run = Reading(agent="codex", session_id=thread)
+    workspace = tmp_path / "ws"
+    assert session_windows("codex", run, workspace, environ={}) == []  # no rollout there yet
+    day = workspace / ".fleet" / "home" / ".codex" / "sessions" / "2025" / "10" / "29"
+    day.mkdir(parents=True)
+    rollout = day / f"rollout-2025-10-29T00-59-38-{thread}.jsonl"
+    rollout.write_text(sample("codex", "rollout-token-count-resets-in-seconds-0.46.jsonl"), encoding="utf-8")
+    at = datetime(2025, 10, 29, 0, 59, 38, 856000, tzinfo=UTC)
+    expected = [WindowReading("openai", "five_hour", None, 0.0, at + timedelta(seconds=17388), 299, at),
+                WindowReading("openai", "weekly", None, 0.07, at + timedelta(seconds=491245), 10079, at)]
+    assert session_windows("codex", run, workspace, environ={}) == expected
+    # another thread's run finds nothing; a CODEX_HOME is looked in first
+    assert session_windows("codex", Reading(agent="codex", session_id="019a0000-0000-0000-0000-000000000000"),
+                           workspace, environ={}) == []
+    elsewhere = tmp_path / "codex-home"
+    (elsewhere / "sessions" / "2025" / "10" / "29").mkdir(parents=True)
+    (elsewhere / "sessions" / "2025" / "10" / "29" / rollout.name).write_text(
+        sample("codex", "rollout-vscode-session-0.104.jsonl"), encoding="utf-8")
+    from_codex_home = session_windows("codex", run, workspace, environ={"CODEX_HOME": str(elsewhere)})
+    assert from_codex_home and from_codex_home != expected
+    # an agent whose CLI prints its windows keeps none beside: nothing is looked for
+    assert session_windows("claude", run, workspace, environ={}) == []
+
+
 def test_codex_rollout_snapshots_0_104() -> None:
     r = read_sample("codex", "rollout-vscode-session-0.104.jsonl")
     # 12 token_count records, two windows each

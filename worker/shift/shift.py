@@ -27,7 +27,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -97,6 +97,22 @@ WINDOW_CLOSING = "window_closing.json"
 # counts it by the state the task is left in
 VERDICT = "verdict"
 _COUNT_BY_STATE = {"done": "done", "review": "done", "queued": "failed", "dead": "failed", "blocked": "blocked"}
+
+
+def session_windows(agent: str, reading: Reading, workspace: Path,
+                    environ: Mapping[str, str] | None = None) -> list[WindowReading]:
+    """The usage-window readings the agent's CLI kept beside its output (Codex's session rollout),
+    looked for where its home may be: CODEX_HOME, the sandbox's home in the workspace, this user's."""
+    from worker.agent.sandbox import TASK_HOME
+
+    known = ADAPTERS.get(agent)
+    read = known.session_windows if known is not None else None
+    if read is None:
+        return []
+    environ = os.environ if environ is None else environ
+    homes = [Path(environ["CODEX_HOME"])] if environ.get("CODEX_HOME") else []
+    homes += [workspace / TASK_HOME / ".codex", Path.home() / ".codex"]
+    return read(reading, homes)
 
 
 @dataclass
@@ -777,6 +793,7 @@ class Shift:
             report.pop("agent_session", None)  # a new id the agent made up for a session it could not find
         if code != 0:
             report["error_tail"] = tail(job.log_path, 2000)
+        reading.windows += session_windows(job.dispatch.agent, reading, job.ws.root)
         if reading.windows:  # the provider's last word on each usage window (fleet.pool_windows)
             report["windows"] = [w.report() for w in latest_windows(reading.windows)]
         self._record(job, report)  # tokens count even when the lease is gone

@@ -12,9 +12,9 @@ import importlib
 import pkgutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import PurePath
+from pathlib import Path, PurePath
 
-from worker.agent.adapters.base import Reading, Signal, StreamReader, Tokens
+from worker.agent.adapters.base import Reading, Signal, StreamReader, Tokens, WindowReading
 from worker.config import FleetConfig
 
 
@@ -27,6 +27,9 @@ class Adapter:
     resume: tuple[str, ...] | None = None  # argv template to resume a session (None: `command`'s rule)
     reports_cost: bool = True  # False: the cost is computed from the price table
     describe: str = ""  # one line for `fleet profiles` and the README
+    # the usage-window readings a CLI keeps beside its output and does not print (Codex's session
+    # rollout): (the run's reading, the folders its home may be) -> readings
+    session_windows: Callable[[Reading, Sequence[Path]], list[WindowReading]] | None = None
 
 
 def _load() -> dict[str, Adapter]:

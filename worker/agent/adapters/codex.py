@@ -42,10 +42,13 @@ What is read:
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from worker.agent.adapters import Adapter
 from worker.agent.adapters.base import (
+    Reading,
     Signal,
     StreamReader,
     Tokens,
@@ -149,6 +152,45 @@ class CodexReader(StreamReader):
 # "-" to read it from stdin too ("Prompt to send after resuming the session. If `-` is used, read
 # from stdin."). Also the docs' `codex exec -  # Force reading from stdin`. Note `codex exec`'s
 # sandbox is read-only by default: a profile that lets the agent write adds `--sandbox …`.
+#: the most of a rollout file read for its rate-limit snapshots (its end: the latest)
+ROLLOUT_TAIL = 4 << 20
+
+
+def rollout_windows(reading: Reading, homes: Sequence[Path]) -> list[WindowReading]:
+    """The rate-limit snapshots of the run's session rollout, which ``codex exec --json`` never prints
+    (tests/agents/corpus/README.md, "Codex usage windows"): the file
+    ``<CODEX_HOME>/sessions/YYYY/MM/DD/rollout-<time>-<thread id>.jsonl`` of the thread the run
+    reported, looked for under each of ``homes`` (a CODEX_HOME, or a HOME's ``.codex``). Its last
+    ROLLOUT_TAIL bytes are read; [] when there is no thread id or no such file."""
+    thread = reading.session_id
+    if not thread or not re.fullmatch(r"[0-9A-Za-z-]{8,80}", thread):
+        return []
+    for home in homes:
+        sessions = home / "sessions"
+        try:
+            found = sorted(sessions.glob(f"*/*/*/rollout-*{thread}.jsonl"))
+        except OSError:
+            continue
+        if not found:
+            continue
+        reader = CodexReader()
+        path = found[-1]
+        try:
+            size = path.stat().st_size
+            with path.open("rb") as fh:
+                fh.seek(max(0, size - ROLLOUT_TAIL))
+                text = fh.read().decode("utf-8", "replace")
+        except OSError:
+            return []
+        if size > ROLLOUT_TAIL:
+            text = text.split("\n", 1)[-1]  # the first line read is cut
+        for line in text.splitlines():
+            if '"token_count"' in line:  # only the snapshots: the rollout's other records are not the run's output
+                reader.line(line)
+        return list(reader.out.windows)
+    return []
+
+
 ADAPTER = Adapter(
     name="codex",
     programs=("codex",),
@@ -159,5 +201,6 @@ ADAPTER = Adapter(
             "resume", "{agent_session}", "-"),
     reader=CodexReader,
     reports_cost=False,
+    session_windows=rollout_windows,
     describe="exec --json events: thread.started, turn.completed usage (thread total), turn.failed/error",
 )
