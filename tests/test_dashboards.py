@@ -15,7 +15,6 @@ import os
 import pty
 import re
 import select
-import shutil
 import signal
 import struct
 import subprocess
@@ -31,6 +30,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from chromiumkit import chromium_path
 from psycopg.types.json import Jsonb
 from sqlkit import (
     build_batch_history,
@@ -49,8 +49,6 @@ from sqlkit import (
     route,
     take,
 )
-
-from worker.dev.apt import apt_install
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -461,18 +459,7 @@ def test_snapshot_is_one_json_line_of_everything(db_url: str, home: Path, world:
 @pytest.fixture(scope="session")
 def chromium() -> str:
     """Debian's chromium; installed with apt-get when it is missing and we are root (as in CI)."""
-    path = shutil.which("chromium")
-    if path is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        lock = Path(tempfile.gettempdir()) / "lanefleet-chromium.lock"
-        with open(lock, "w") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)       # one xdist worker installs, the others wait
-            if shutil.which("chromium") is None:
-                done = apt_install("chromium")  # waits for another apt-get's locks
-                assert done.returncode == 0, done.stderr[-2000:]
-        path = shutil.which("chromium")
-    if path is None:
-        pytest.fail("the report test needs Debian's chromium: apt-get install -y chromium")
-    return path
+    return chromium_path("the report test")
 
 
 def browse(chromium: str, page: Path, *extra: str) -> subprocess.CompletedProcess[str]:
