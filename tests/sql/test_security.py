@@ -444,16 +444,18 @@ def _has_lane(conn: psycopg.Connection, rel: str) -> bool:
 
 
 def _read(conn: psycopg.Connection, rel: str, claims: dict[str, Any] | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | str]:
-    """In one transaction (one now()): the owner's rows, then the key's (or its error's SQLSTATE)."""
+    """In one transaction (one now()): the owner's rows, then the key's (or its error's SQLSTATE),
+    in one order (a view without ORDER BY may give its rows in another order to another plan)."""
+    query = f"select * from fleet.{rel} x order by x::text"
     with conn.transaction(force_rollback=True):
-        owner = rows(conn, f"select * from fleet.{rel}")
+        owner = rows(conn, query)
         if claims is None:
             return owner, owner
         conn.execute("select set_config('role', %s, true)", (claims["role"],))
         conn.execute("select set_config('request.jwt.claims', %s, true)", (json.dumps(claims),))
         try:
             with conn.transaction():
-                return owner, rows(conn, f"select * from fleet.{rel}")
+                return owner, rows(conn, query)
         except psycopg.Error as exc:
             return owner, str(exc.sqlstate)
 
