@@ -37,6 +37,7 @@ from worker.sources.tracker import (
     RateLimited,
     SourceError,
     Traffic,
+    as_time,
 )
 
 log = structlog.get_logger("lanefleet.sources")
@@ -44,10 +45,6 @@ log = structlog.get_logger("lanefleet.sources")
 API_VERSION = "2022-11-28"
 PER_PAGE = 100
 _NEXT = re.compile(r'<([^>]+)>;\s*rel="next"')
-
-
-def _time(value: str | None) -> datetime | None:
-    return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
 
 
 def _issue(raw: dict[str, Any]) -> dict[str, Any]:
@@ -65,7 +62,7 @@ def _issue(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _item(kept: dict[str, Any]) -> Item:
     return Item(number=kept["number"], title=kept["title"], body=kept["body"], labels=tuple(kept["labels"]),
-                open=kept["open"], url=kept["url"], updated_at=_time(kept["updated_at"]) or datetime.now(UTC),
+                open=kept["open"], url=kept["url"], updated_at=as_time(kept["updated_at"]) or datetime.now(UTC),
                 assignees=tuple(kept["assignees"]), milestone=kept["milestone"],
                 milestone_number=kept["milestone_number"], is_pull=kept["is_pull"])
 
@@ -78,7 +75,7 @@ def _pull(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _pull_request(kept: dict[str, Any]) -> PullRequest:
     return PullRequest(number=kept["number"], url=kept["url"], state=kept["state"], head_sha=kept["head_sha"],
-                       merged_at=_time(kept["merged_at"]), merged_sha=kept["merged_sha"])
+                       merged_at=as_time(kept["merged_at"]), merged_sha=kept["merged_sha"])
 
 
 class GitHub:
@@ -293,7 +290,7 @@ class GitHub:
         keep = lambda body: [{"sha": c["sha"], "message": (c.get("commit") or {}).get("message") or "",  # noqa: E731
                               "date": ((c.get("commit") or {}).get("committer") or {}).get("date")} for c in body]
         rows, _ = self._pages(self._repo(f"/commits?{query}"), keep, f"list the commits of {branch}")
-        return [Commit(sha=r["sha"], message=r["message"], date=_time(r["date"]) or datetime.now(UTC)) for r in rows]
+        return [Commit(sha=r["sha"], message=r["message"], date=as_time(r["date"]) or datetime.now(UTC)) for r in rows]
 
 
 def _message(response: httpx.Response) -> str:

@@ -34,7 +34,15 @@ import structlog
 from worker.config import FleetConfig, SourceConfig
 from worker.errors import ConfigError
 from worker.sources.items import ref_number, sync_entry
-from worker.sources.tracker import Checks, PullRequest, RateLimited, SourceError, Tracker, Traffic
+from worker.sources.tracker import (
+    Checks,
+    PullRequest,
+    RateLimited,
+    SourceError,
+    Tracker,
+    Traffic,
+    as_time,
+)
 from worker.sources.writeback import done_comment, failure_comment, marker, pull_request_body
 from worker.store.protocol import Store
 
@@ -101,12 +109,6 @@ def make_tracker(name: str, source: SourceConfig, cfg: FleetConfig, cache: dict[
 
     return GitHub(source.repository, source_token(name, source, cfg, environ), api_url=source.api_url,
                   cache=cache, max_wait=source.max_rate_wait, timeout=source.timeout, what=f"source {name}")
-
-
-def _time(value: Any) -> datetime | None:
-    if value is None or isinstance(value, datetime):
-        return value
-    return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
 
 
 class SourcePass:
@@ -209,8 +211,8 @@ class SourcePass:
         wanted = self.source.on_failure if failed else self.source.on_done
         value: Any = "none"
         if wanted == "comment":
-            body = (failure_comment(row) if failed else done_comment(row)) + "\n\n" + marker(self.name, row["ref"], key)
             mark = marker(self.name, row["ref"], key)
+            body = (failure_comment(row) if failed else done_comment(row)) + "\n\n" + mark
             # posted by a pass that stopped before recording it: that comment, not a second one
             found = next((cid for cid, text in self.tracker.comments(number) if mark in text), None)
             value = found if found is not None else self.tracker.post_comment(number, body)
@@ -223,7 +225,7 @@ class SourcePass:
 
     def watch_revert(self, row: dict[str, Any]) -> None:
         lane = self.cfg.lanes.get(row["task_lane"]) or self.cfg.lanes.get(row["lane"])
-        merged_at = _time(row["merged_at"])
+        merged_at = as_time(row["merged_at"])
         if lane is None or merged_at is None:
             return
         needle = f"This reverts commit {row['merged_sha']}"
@@ -243,13 +245,13 @@ def run_pass(store: Store, cfg: FleetConfig, name: str, *, environ: Mapping[str,
     source = cfg.sources[name]
     lanes = list(dict.fromkeys(source.labels.values()))
     begun = store.source_call("source_begin", {"p_source": name, "p_kind": source.kind, "p_lanes": lanes})
-    resume_at = _time(begun.get("resume_at"))
+    resume_at = as_time(begun.get("resume_at"))
     if resume_at is not None and resume_at > datetime.now(UTC):
         return PassReport(name, skipped=f"rate-limited: no request before {resume_at:%H:%M:%S} UTC", resume_at=resume_at)
     tracker = tracker or make_tracker(name, source, cfg, dict(begun.get("cache") or {}),
                                       os.environ if environ is None else environ)
     work = SourcePass(store, cfg, name, tracker)
-    cursor = _time(begun.get("cursor"))
+    cursor = as_time(begun.get("cursor"))
     reached: datetime | None = None
     try:
         work.pull_requests()

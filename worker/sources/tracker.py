@@ -14,6 +14,13 @@ from typing import Any, Protocol
 from worker.errors import FleetError
 
 
+def as_time(value: Any) -> datetime | None:
+    """An ISO 8601 time as trackers and the database's JSON write it (``Z`` or an offset), or None."""
+    if value is None or isinstance(value, datetime):
+        return value
+    return datetime.fromisoformat(str(value).replace("Z", "+00:00")) if value else None
+
+
 class SourceError(FleetError):
     """A tracker refused or failed a request (a bad token, an unknown repository, an answer that is
     not what its API describes): the pass stops, and says so."""
