@@ -12,8 +12,10 @@ of some 60 agents working 30-minute tasks) in 8 lanes: 85 % done at the first at
 a failed one, 3 % after a hand-off, 1 % after a repair, 1 % routed to another lane, 2 % dead after
 three failures, 1 % cancelled; then 200 live tasks (40 running in active shifts, 160 queued).
 Runs last 5 to 35 minutes and carry tokens and cost; shifts start every 30 minutes per lane. The
-events are what the SQL API would have journalled (enqueued, claimed, outcomes, session
-opened/closed) plus checkpoints up to --events, written in time order as a journal is.
+events are what the SQL API would have journalled besides the rows (outcomes other than a
+completion, session opened/closed) plus checkpoints up to --events rows of fleet.events, written in
+time order as a journal is; the tasks' creations, the claims and the completions are the journal's
+entries from the task and run rows (fleet.journal), as the SQL API writes them.
 
 It then runs VACUUM ANALYZE and the first roll-up of fleet.lane_hours (what the monitor pass and
 the dashboard commands do), and prints for each view, and for cohort_metrics over a few cohorts,
@@ -198,11 +200,13 @@ def history_sql(n: int, days: int, t_end: str, slot: int = SLOT) -> list[tuple[s
               from generate_series(1::bigint, {n - LIVE}) g"""),
         ("runs", f"""
             insert into fleet.runs (task_id, session_id, lane, attempt, lease_token, started_at, ended_at, outcome,
+                                   end_id, end_state,
                                    exit_code, model, input_tokens, cache_creation_tokens, cache_read_tokens,
                                    output_tokens, cost_usd, error_tail)
             select g, md5(x.lane || ':' || floor(extract(epoch from x.started) / {slot}))::uuid, x.lane,
                    case when {k} = 'routed' then 1 else o.j end,
                    md5('run:' || g || ':' || o.j)::uuid, x.started, x.ended, o.outcome,
+                   nextval('fleet.events_id_seq'), case when o.outcome = 'done' then 'done' end,
                    case o.outcome when 'failed' then 1 when 'lost' then null else 0 end, 'claude-sonnet-4-5',
                    2000 + (g * 7919 + o.j) % 30000, 1000 + (g * 104729 + o.j) % 20000,
                    20000 + (g * 1299709 + o.j) % 400000, 500 + (g * 15485863 + o.j) % 8000,
@@ -230,16 +234,10 @@ def events_sql(t0: str, t1: str, per_run: float) -> str:
     return f"""
         insert into fleet.events (ts, kind, lane, task_id, session_id, detail)
         select ts, kind, lane, task_id, session_id, detail from (
-            select t.created_at as ts, 'enqueued' as kind, coalesce(t.stages -> 0 ->> 'lane', t.lane) as lane,
-                   t.id as task_id, null::uuid as session_id,
-                   jsonb_build_object('key', t.key, 'priority', 0, 'run_at', t.created_at) as detail
-              from fleet.tasks t where t.created_at >= {t0} and t.created_at < {t1}
-            union all
-            select r.started_at, 'claimed', r.lane, r.task_id, r.session_id, jsonb_build_object('attempt', r.attempt)
-              from fleet.runs r where r.started_at >= {t0} and r.started_at < {t1}
-            union all
-            select r.ended_at,
-                   case r.outcome when 'done' then 'completed' when 'lost' then 'repaired' else r.outcome end,
+            -- (a task's creation, a claim and a completion are their rows' entries in the journal:
+            -- fleet.journal reads them from the tasks and runs loaded above)
+            select r.ended_at as ts,
+                   case r.outcome when 'lost' then 'repaired' else r.outcome end as kind,
                    r.lane, r.task_id, r.session_id,
                    case r.outcome
                         when 'failed' then jsonb_build_object('attempt', r.attempt, 'error', 'exit code 1',
@@ -250,8 +248,8 @@ def events_sql(t0: str, t1: str, per_run: float) -> str:
                              'attempt', r.attempt, 'evaporations', 1)
                         when 'routed' then jsonb_build_object('from', r.lane, 'to',
                              'l' || ((substr(r.lane, 2)::int + 1) % {LANES}))
-                        else jsonb_build_object('attempt', r.attempt) end
-              from fleet.runs r where r.ended_at >= {t0} and r.ended_at < {t1}
+                        else jsonb_build_object('attempt', r.attempt) end as detail
+              from fleet.runs r where r.ended_at >= {t0} and r.ended_at < {t1} and r.outcome <> 'done'
             union all
             select t.finished_at, 'cancelled', t.lane, t.id, null, jsonb_build_object('was', 'queued')
               from fleet.tasks t
@@ -318,10 +316,11 @@ def build_history(conn: psycopg.Connection[Any], n: int, events: int, days: int,
     row = conn.execute(
         "select (select count(*) from fleet.runs), (select count(*) from fleet.runs where ended_at is not null),"
         " (select count(*) from fleet.sessions where state = 'ended'),"
-        " (select count(*) from fleet.tasks where state = 'cancelled')").fetchone()
+        " (select count(*) from fleet.tasks where state = 'cancelled'),"
+        " (select count(*) from fleet.runs where outcome = 'done')").fetchone()
     assert row is not None
-    runs, ended, sessions, cancelled = row
-    fixed = n + runs + ended + cancelled + 2 * sessions
+    runs, ended, sessions, cancelled, done = row
+    fixed = (ended - done) + cancelled + 2 * sessions  # events besides the checkpoints
     per_run = max(0.0, (events - fixed) / max(ended, 1))
     t0 = time.perf_counter()
     lo = conn.execute(f"select ({t_end} - make_interval(days => {days + 2}))::text").fetchone()[0]  # type: ignore[index]

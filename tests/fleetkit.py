@@ -232,7 +232,7 @@ class Fleet:
         return self.sql("select * from fleet.workspaces where task_id = %s order by id", (task_id,))
 
     def event_kinds(self, task_id: int) -> list[str]:
-        return [r["kind"] for r in self.sql("select kind from fleet.events where task_id = %s order by id",
+        return [r["kind"] for r in self.sql("select kind from fleet.journal where task_id = %s order by id",
                                             (task_id,))]
 
 

@@ -41,9 +41,10 @@ LANE_NOT_ALLOWED = "LF008"
 LANE_RETIRED = "LF009"
 
 
-# any partial index of running tasks will do where a plan reads them: the planner picks one of
-# them by the statistics ANALYZE sampled
-RUNNING_INDEXES = {"tasks_running_lease", "tasks_running_session", "tasks_running_lane"}
+# an index that reads only the running tasks will do where a plan reads them: the partial index
+# of running tasks, or the range (lane, 'running') of tasks_lane_state; the planner picks one by
+# the statistics ANALYZE sampled
+RUNNING_INDEXES = {"tasks_running_session", "tasks_lane_state"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -340,22 +341,22 @@ def session_row(conn: psycopg.Connection, session: uuid.UUID) -> dict[str, Any]:
 
 def kinds(conn: psycopg.Connection, task_id: int) -> list[str]:
     """The kinds of a task's journal entries, oldest first."""
-    return [r["kind"] for r in rows(conn, "select kind from fleet.events where task_id = %s order by id", (task_id,))]
+    return [r["kind"] for r in rows(conn, "select kind from fleet.journal where task_id = %s order by id", (task_id,))]
 
 
 def last_event(conn: psycopg.Connection, task_id: int) -> dict[str, Any]:
-    got = rows(conn, "select * from fleet.events where task_id = %s order by id desc limit 1", (task_id,))
+    got = rows(conn, "select * from fleet.journal where task_id = %s order by id desc limit 1", (task_id,))
     assert got
     return got[0]
 
 
 def events(conn: psycopg.Connection, kind: str, lane: str | None = None) -> list[dict[str, Any]]:
-    return rows(conn, "select * from fleet.events where kind = %s and (%s::text is null or lane = %s) order by id",
+    return rows(conn, "select * from fleet.journal where kind = %s and (%s::text is null or lane = %s) order by id",
                 (kind, lane, lane))
 
 
 def repaired_events(conn: psycopg.Connection, task_id: int) -> list[dict[str, Any]]:
-    return rows(conn, "select * from fleet.events where kind = 'repaired' and task_id = %s order by id", (task_id,))
+    return rows(conn, "select * from fleet.journal where kind = 'repaired' and task_id = %s order by id", (task_id,))
 
 
 def count(conn: psycopg.Connection, table: str) -> int:

@@ -67,7 +67,7 @@ def tokens(run: dict[str, Any]) -> tuple[int, int, int, int, int]:
 
 
 def events(fleet: Fleet, task: int, kind: str) -> list[dict[str, Any]]:
-    return [r["detail"] for r in fleet.sql("select detail from fleet.events where task_id = %s and kind = %s "
+    return [r["detail"] for r in fleet.sql("select detail from fleet.journal where task_id = %s and kind = %s "
                                            "order by id", (task, kind))]
 
 

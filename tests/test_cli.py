@@ -77,7 +77,7 @@ def task_row(url: str, ref: int | str) -> dict[str, Any] | None:
 
 def counts(url: str) -> tuple[int, int]:
     return (one_value(url, "select count(*) from fleet.tasks"),
-            one_value(url, "select count(*) from fleet.events"))
+            one_value(url, "select count(*) from fleet.journal"))
 
 
 def synced_store(url: str, config: Path) -> PostgresStore:
@@ -298,7 +298,7 @@ def test_pools_list_and_clear(db_url: str, config: Path, home: Path) -> None:
     out = ok(fleet("pools", "clear", "max", url=db_url, config=config, cwd=home))
     assert "pool max: throttle lifted" in out and "set by task 12 (lane docs) on host-1, fleet_worker" in out
     assert one_value(db_url, "select throttled_until from fleet.pools where name = 'max'") is None
-    assert one_value(db_url, "select count(*) from fleet.events where kind = 'throttle_cleared'") == 1
+    assert one_value(db_url, "select count(*) from fleet.journal where kind = 'throttle_cleared'") == 1
     got = json.loads(ok(fleet("pools", "clear", "max", "--json", url=db_url, config=config, cwd=home)))
     assert (got["was_until"], got["tasks"]) == (None, 0)
     assert "pool idle was not throttled" in ok(fleet("pools", "clear", "idle", url=db_url, config=config, cwd=home))

@@ -146,7 +146,7 @@ class Runs:
 def counts(url: str) -> tuple[int, int]:
     with psycopg.connect(url, autocommit=True) as c:
         tasks = c.execute("select count(*) from fleet.tasks").fetchone()
-        events = c.execute("select count(*) from fleet.events").fetchone()
+        events = c.execute("select count(*) from fleet.journal").fetchone()
     assert tasks is not None and events is not None
     return int(tasks[0]), int(events[0])
 

@@ -101,7 +101,7 @@ def test_an_unverified_exit_escalates_the_next_attempt_one_tier_and_the_top_tier
         ("mechanical", "a-small", "failed", "unverified-exit"), ("mid", "a-mid", "done", None)]
     assert [(r["tier"], r["model"], r["outcome"]) for r in fleet.runs(top)] == [
         ("strong", "a-large", "failed"), ("strong", "a-large", "done")]
-    escalations = fleet.sql("select task_id, detail from fleet.events where kind = 'escalated'")
+    escalations = fleet.sql("select task_id, detail from fleet.journal where kind = 'escalated'")
     assert [(e["task_id"], e["detail"]["from"], e["detail"]["to"], e["detail"]["reason"]) for e in escalations] == [
         (low, "mechanical", "mid", "unverified-exit")]
     # the agent was started with the model of its tier
@@ -136,7 +136,7 @@ def test_an_unknown_profile_or_tier_is_refused_at_enqueue_and_nothing_is_written
     cli = fleet.cli("enqueue", "work", "--key", "k3", "--profile", "nope")
     assert cli.returncode == 1 and "unknown profile 'nope'" in cli.stderr and "Traceback" not in cli.stderr
     assert fleet.sql("select count(*) as n from fleet.tasks")[0]["n"] == 0
-    assert fleet.sql("select count(*) as n from fleet.events where kind = 'enqueued'")[0]["n"] == 0
+    assert fleet.sql("select count(*) as n from fleet.journal where kind = 'enqueued'")[0]["n"] == 0
     ok = fleet.cli("enqueue", "work", "--key", "k4", "--profile", "agent-b", "--tier", "strong", "--json")
     assert ok.returncode == 0, ok.stderr
     row = fleet.task(json.loads(ok.stdout)["id"])
@@ -284,7 +284,7 @@ def test_a_usage_limit_requeues_for_after_the_reset_spends_no_attempt_and_spills
     assert fleet.task(limited)["state"] == "queued" and len(fleet.runs(limited)) == 1
     run = fleet.runs(nxt)[0]
     assert (run["pool"], run["profile"], run["model"], run["outcome"]) == ("pool-b", "agent-b", "b-small", "done")
-    claimed = fleet.sql("select detail from fleet.events where kind = 'claimed' and task_id = %s", (nxt,))
+    claimed = fleet.sql("select detail from fleet.journal where kind = 'claimed' and task_id = %s", (nxt,))
     assert claimed[0]["detail"]["spilled"] is True and claimed[0]["detail"]["preferred_pool"] == "pool-a"
     b = fleet.sql("select * from fleet.pool_overview where pool = 'pool-b'")[0]
     assert b["spillovers_today"] == 1 and b["throttled_until"] is None

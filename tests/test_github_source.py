@@ -67,7 +67,7 @@ class World:
 
     def events(self, task_id: int, kind: str) -> list[dict[str, Any]]:
         return [r["detail"] for r in self.fleet.sql(
-            "select detail from fleet.events where task_id = %s and kind = %s order by id", (task_id, kind))]
+            "select detail from fleet.journal where task_id = %s and kind = %s order by id", (task_id, kind))]
 
 
 @pytest.fixture
@@ -240,7 +240,7 @@ def _closed_mid_run(world: World) -> None:
     thread = threading.Thread(target=lambda: summary.append(shift.run()))
     thread.start()
     wait_for("the agent running", lambda: world.fleet.task(task["id"])["state"] == "running"
-             and world.fleet.sql("select 1 from fleet.events where task_id = %s and kind = 'checkpoint'",
+             and world.fleet.sql("select 1 from fleet.journal where task_id = %s and kind = 'checkpoint'",
                                  (task["id"],)), timeout=20)
     gh.close_issue(REPO, n)
     world.sync()

@@ -59,7 +59,7 @@ def test_a_stalled_agent_is_stopped_and_its_next_attempt_escalates(rails) -> Non
     assert (run["outcome"], run["reason"]) == ("failed", "stalled"), run
     assert "stalled: no progress for 2 s" in fleet.task(task)["last_error"]
     assert fleet.task(task)["tier"] == "mid"
-    escalated = fleet.sql("select detail from fleet.events where kind = 'escalated' and task_id = %s", (task,))
+    escalated = fleet.sql("select detail from fleet.journal where kind = 'escalated' and task_id = %s", (task,))
     assert escalated[0]["detail"]["reason"] == "stalled"
     assert summary.outcomes.get("stalled") == 1
     assert not pids_using(fleet.workspace("work", "quiet")), "the stalled agent outlived its stop"

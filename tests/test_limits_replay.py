@@ -62,7 +62,7 @@ def test_a_success_that_mentions_rate_limiting_is_done(backend: Backend, tmp_pat
         task = fleet.enqueue("work", "mentions", {})
         fleet.run_shift("work", max_tasks=1, once=True)
         assert fleet.task(task)["state"] == "done"
-        assert fleet.sql("select count(*) as n from fleet.events where kind = 'throttled'")[0]["n"] == 0
+        assert fleet.sql("select count(*) as n from fleet.journal where kind = 'throttled'")[0]["n"] == 0
     finally:
         fleet.close()
 
@@ -77,7 +77,7 @@ def test_a_failed_run_whose_agent_quotes_limit_reached_is_a_failure_not_a_limit(
     fleet.run_shift("work", max_tasks=1, once=True)
     run = fleet.runs(task)[0]
     assert (run["outcome"], fleet.task(task)["failures"]) == ("failed", 1), run
-    assert fleet.sql("select count(*) as n from fleet.events where kind = 'throttled'")[0]["n"] == 0
+    assert fleet.sql("select count(*) as n from fleet.journal where kind = 'throttled'")[0]["n"] == 0
     assert fleet.sql("select count(*) as n from fleet.pools where throttled_until is not null")[0]["n"] == 0
 
 

@@ -227,7 +227,7 @@ def test_a_killed_shift_is_repaired_within_one_pass_on_its_host(make_fleet, reap
         assert t["lease_token"] is None
     (s,) = fleet.sql("select * from fleet.sessions")
     assert (s["state"], s["end_reason"]) == ("lost", "pid-gone")
-    reasons = [e["detail"]["reason"] for e in fleet.sql("select * from fleet.events where kind = 'repaired'")]
+    reasons = [e["detail"]["reason"] for e in fleet.sql("select * from fleet.journal where kind = 'repaired'")]
     assert reasons == ["pid-gone", "pid-gone"]
     assert monitor_pass(fleet.store, fleet.cfg) == []  # nothing twice
     # and the agents died with their shift (the supervisor's pipe), without the monitor's help
@@ -398,7 +398,7 @@ def test_fleet_run_launches_shifts_on_cron_and_never_past_max_shifts(make_fleet)
     assert sum(t["handoffs"] for t in fleet.tasks(ids)) >= 2
     outcomes = {r["outcome"] for r in fleet.sql("select outcome from fleet.runs")}
     assert outcomes == {"handed_off"}, outcomes
-    assert fleet.sql("select count(*) as n from fleet.events where kind = 'repaired'")[0]["n"] == 0
+    assert fleet.sql("select count(*) as n from fleet.journal where kind = 'repaired'")[0]["n"] == 0
     assert not pids_under(fleet.tmp / "ws"), "an agent outlived fleet run"
 
 

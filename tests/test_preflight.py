@@ -135,7 +135,7 @@ def test_lanes_sync_pauses_a_lane_whose_agent_is_not_on_path_and_a_fixed_config_
     assert lane_row(f, "bad")["paused_reason"] is None
     f.cfg = load_config(f.toml, environ={"DATABASE_URL": f.db_url})
     assert f.run_shift("bad").outcomes == {"done": 1}
-    assert [e["kind"] for e in f.sql("select kind from fleet.events where lane = 'bad' and kind like 'lane_%%paused' "
+    assert [e["kind"] for e in f.sql("select kind from fleet.journal where lane = 'bad' and kind like 'lane_%%paused' "
                                      "order by id")] == ["lane_paused", "lane_unpaused"]
 
 

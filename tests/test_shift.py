@@ -381,7 +381,7 @@ def test_sigterm_hands_off_running_tasks_and_the_next_shift_resumes_them_first(f
     nxt = f.run_shift("work", slots=1)
     assert nxt.outcomes == {"done": 4}
     claimed = [r["task_id"] for r in f.sql(
-        "select task_id from fleet.events where kind = 'claimed' and session_id = %s order by id",
+        "select task_id from fleet.journal where kind = 'claimed' and session_id = %s order by id",
         (nxt.session,))]
     assert set(claimed[:2]) == set(hang) and set(claimed[2:]) == set(older)
     for task_id in hang:

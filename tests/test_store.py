@@ -265,7 +265,7 @@ def test_sync_lane_created_unchanged_updated(db_url: str, conn: psycopg.Connecti
             s.sync_lane("x", {"max_runing": 1})
         with pytest.raises(InvalidInput):
             s.sync_lane("Bad Name", settings())
-    kinds = [r[0] for r in conn.execute("select kind from fleet.events where lane = 'x' order by id")]
+    kinds = [r[0] for r in conn.execute("select kind from fleet.journal where lane = 'x' order by id")]
     assert kinds == ["lane_created", "lane_updated", "lane_updated"]
 
 
@@ -372,7 +372,7 @@ def test_transient_drop_session_and_throttle_through_the_store(backend: Backend)
             until = store.throttle(t.id, t.lease_token, note="limit", after_seconds=0,
                                    signal={"signal": "rate_limit_event", "text": "limit reached", "reset": None})
             assert until >= before + timedelta(seconds=120)
-            row = conn.execute("select detail from fleet.events where kind = 'throttled'").fetchone()
+            row = conn.execute("select detail from fleet.journal where kind = 'throttled'").fetchone()
             assert row is not None
             assert (row[0]["signal"], row[0]["text"]) == ("rate_limit_event", "limit reached")
     finally:
@@ -483,7 +483,7 @@ def test_an_operator_clears_a_pools_throttle_through_the_store(backend: Backend)
         assert direct.get_task(first).run_at <= direct_now(backend.db_url)
         assert operator.clear_throttle("pool")["was_until"] is None  # nothing left to lift
         with psycopg.connect(backend.db_url, autocommit=True) as conn:
-            row = conn.execute("select detail from fleet.events where kind = 'throttle_cleared'").fetchall()
+            row = conn.execute("select detail from fleet.journal where kind = 'throttle_cleared'").fetchall()
         assert len(row) == 1 and row[0][0]["by"]["role"] == ("fleet_operator" if backend.rest else direct_login(backend.db_url))
     finally:
         for st in stores:

@@ -71,7 +71,7 @@ def test_an_agent_warned_near_its_window_end_hands_off_and_the_next_attempt_resu
         assert t["handoff"]["checkpoint"] == t["checkpoint"]
         (run,) = f.runs(task_id)
         assert (run["outcome"], run["exit_code"]) == ("handed_off", 75)
-        assert f.sql("select count(*) as n from fleet.events where kind = 'throttled'")[0]["n"] == 0
+        assert f.sql("select count(*) as n from fleet.journal where kind = 'throttled'")[0]["n"] == 0
         assert f.sql("select count(*) as n from fleet.pools where throttled_until is not null")[0]["n"] == 0
 
         # the run report carries the last reading of each window the agent's output named

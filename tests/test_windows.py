@@ -36,7 +36,7 @@ def test_claims_spill_to_the_second_pool_before_the_first_windows_budget_is_cros
         assert drawn[:2] == ["first", "first"] and drawn[2:] == ["second", "second"], (drawn, per_task)
         used = fleet.sql("select used_tokens from fleet.pool_windows where pool = 'first'")[0]["used_tokens"]
         assert used == 2 * per_task <= 4_000
-        assert not fleet.sql("select 1 from fleet.events where kind = 'throttled'")
+        assert not fleet.sql("select 1 from fleet.journal where kind = 'throttled'")
         status = fleet.cli("status")
         assert status.returncode == 0, status.stderr
         assert "usage windows" in status.stdout and "five_hour" in status.stdout

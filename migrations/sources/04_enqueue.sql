@@ -102,10 +102,7 @@ begin
                 p_max_attempts, fleet._tier_for(l, p_tier), p_profile, p_max_cost_usd, p_max_tokens)
         on conflict (key, lane) do nothing
         returning id into v_id;
-        if v_id is not null then
-            perform fleet._event('enqueued', p_lane, v_id, null,
-                jsonb_strip_nulls(jsonb_build_object('key', p_key, 'priority', p_priority,
-                    'run_at', coalesce(p_run_at, now()), 'tier', fleet._tier_for(l, p_tier), 'profile', p_profile)));
+        if v_id is not null then  -- (the task row is its entry in the journal: fleet.journal)
             return query select v_id, true;
             return;
         end if;
@@ -446,13 +443,15 @@ begin
          where not exists (select 1 from fleet._key_holder(i.lane, i.key))
          order by i.lane, i.key, i.idx
     ), numbered as materialized (
-        -- ids drawn in input order (the subquery's ORDER BY is the order nextval runs in)
-        select f.*, nextval(v_seq) as new_id from (select * from firsts order by firsts.idx) f
+        -- ids and journal positions drawn in input order (the subquery's ORDER BY is the order
+        -- nextval runs in)
+        select f.*, nextval(v_seq) as new_id, nextval('fleet.events_id_seq') as journal_id
+          from (select * from firsts order by firsts.idx) f
     ), ins as (
-        insert into fleet.tasks as t (id, lane, key, title, payload, priority, run_at, max_attempts,
+        insert into fleet.tasks as t (id, journal_id, lane, key, title, payload, priority, run_at, max_attempts,
                                       tier, profile, max_cost_usd, max_tokens)
         overriding system value
-        select n.new_id, n.lane, n.key, n.title, n.payload, n.priority, n.run_at, n.max_attempts,
+        select n.new_id, n.journal_id, n.lane, n.key, n.title, n.payload, n.priority, n.run_at, n.max_attempts,
                n.tier, n.profile, n.max_cost_usd, n.max_tokens
           from numbered n
          order by n.key, n.lane  -- the lock order on the key index (key, lane)
@@ -486,21 +485,7 @@ begin
             'a key names one task in each lane, and a routed task keeps its key in the lanes it left');
     end if;
 
-    -- 5. one journal row per new task, in input order
-    insert into fleet.events (kind, lane, task_id, session_id, detail)
-    select 'enqueued', i.lane, n.id, null,
-           case when v_extra
-                then jsonb_strip_nulls(jsonb_build_object('key', i.key, 'priority', i.priority, 'run_at', i.run_at,
-                                                          'tier', i.tier, 'profile', i.profile))
-                else jsonb_build_object('key', i.key, 'priority', i.priority, 'run_at', i.run_at) end
-      from unnest(v_new_ids, v_new_lanes, v_new_keys) as n(id, lane, key)
-      join (select distinct on (u.lane, u.key) u.*
-              from unnest(v_idx, v_lane, v_key, v_priority, v_run_at, v_tier, v_profile)
-                   as u(idx, lane, key, priority, run_at, tier, profile)
-             order by u.lane, u.key, u.idx) i on i.lane = n.lane and i.key = n.key
-     order by i.idx;
-
-    -- 6. every element: its task, and whether this call created it (only the first element of a
+    -- 5. every element: its task, and whether this call created it (only the first element of a
     --    new (lane, key))
     return query
     select i.idx, coalesce(n.id, o.id), i.key, n.id is not null and i.idx = f.idx

@@ -54,7 +54,7 @@ begin
     end if;
     v_free := p_limit;
     if l.max_running is not null then
-        v_free := least(p_limit,
+        v_free := least(p_limit,  -- (tasks_lane_state)
             l.max_running - (select count(*) from fleet.tasks where lane = s.lane and state = 'running'));
     end if;
     if v_free <= 0 then
@@ -107,15 +107,9 @@ begin
              where t.id = ready.id
             returning t.*
         ), run_rows as (
-            -- one run row per dispatch
+            -- one run row per dispatch: the claim's entry in the journal (fleet.journal)
             insert into fleet.runs (task_id, session_id, lane, attempt, lease_token, tier, profile)
             select c.id, s.id, c.lane, c.attempts, c.lease_token, c.tier, c.run_profile from claimed c
-        ), journal as (
-            insert into fleet.events (kind, lane, task_id, session_id, detail)
-            select 'claimed', c.lane, c.id, s.id,
-                   jsonb_strip_nulls(jsonb_build_object('attempt', c.attempts, 'tier', c.tier,
-                                                        'profile', c.run_profile))
-              from claimed c
         )
         -- in the order they were picked (the claim clears carry_over, so order by ready's copy of it)
         select c.* from claimed c join ready r on r.id = c.id
@@ -224,18 +218,17 @@ begin
                updated_at = now()
          where x.id = v_t.id
         returning x.* into v_c;
-        insert into fleet.runs (task_id, session_id, lane, attempt, lease_token, tier, profile, pool)
-        values (v_c.id, s.id, v_c.lane, v_c.attempts, v_c.lease_token, v_c.tier, v_c.run_profile, v_c.pool);
-        perform fleet._event('claimed', v_c.lane, v_c.id, s.id,
-            jsonb_strip_nulls(jsonb_build_object('attempt', v_c.attempts, 'tier', v_c.tier,
-                'profile', v_c.run_profile, 'pool', v_c.pool,
-                -- drawn from a pool other than the lane's first choice, because that one was
-                -- throttled or full
-                'spilled', case when v_t.profile is null and v_idx > 0 then true end,
-                'preferred_pool', case when v_t.profile is null and v_idx > 0
-                                       then v_lane_cands -> 0 ->> 'pool' end,
-                -- a pool passed over because its usage windows had no room (a throttle avoided)
-                'window_spill', case when v_short then to_jsonb(v_short_pools) end)));
+        -- its run: the claim's entry in the journal (fleet.journal), with how the pool was chosen
+        insert into fleet.runs (task_id, session_id, lane, attempt, lease_token, tier, profile, pool, claim_detail)
+        values (v_c.id, s.id, v_c.lane, v_c.attempts, v_c.lease_token, v_c.tier, v_c.run_profile, v_c.pool,
+                nullif(jsonb_strip_nulls(jsonb_build_object(
+                    -- drawn from a pool other than the lane's first choice, because that one was
+                    -- throttled or full
+                    'spilled', case when v_t.profile is null and v_idx > 0 then true end,
+                    'preferred_pool', case when v_t.profile is null and v_idx > 0
+                                           then v_lane_cands -> 0 ->> 'pool' end,
+                    -- a pool passed over because its usage windows had no room (a throttle avoided)
+                    'window_spill', case when v_short then to_jsonb(v_short_pools) end)), '{}'));
         v_over := fleet._over_budget(v_c, l);
         if v_over is not null then  -- as above: blocked, and it takes no slot of the pool
             perform fleet.block(v_c.id, v_c.lease_token, 'budget', v_over);

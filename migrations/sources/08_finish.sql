@@ -22,9 +22,8 @@ begin
            attention = null, attention_at = null,
            lease_token = null, lease_expires_at = null, session_id = null
      where id = p_task;
-    perform fleet._end_run(p_token, 'done');
-    perform fleet._event('completed', t.lane, p_task, t.session_id,
-        jsonb_build_object('attempt', t.attempts, 'state', v_state));
+    -- its run's end: the completion's entry in the journal (fleet.journal)
+    perform fleet._end_run(p_token, 'done', null, v_state);
     return v_state;
 end
 $$;
@@ -46,9 +45,6 @@ declare
     v_tokens uuid[];
     v_results jsonb[];
     v_states text[];
-    v_task_lanes text[];
-    v_sessions uuid[];
-    v_attempts int[];
 begin
     if p_tasks is null or p_tokens is null then
         perform fleet._raise('LF005', 'complete_many needs p_tasks and p_tokens (arrays of equal length)');
@@ -81,16 +77,13 @@ begin
         v_lane_done[i] := fleet._done_state(v_lanes[i], null);
     end loop;
 
-    -- the tasks whose lease the given token still holds, read before they are written (the
-    -- session and attempt the journal names), in id order
+    -- the tasks whose lease the given token still holds, read before they are written, in id order
     select array_agg(t.id order by t.id), array_agg(i.token order by t.id), array_agg(i.result order by t.id),
            -- (a lane with ci: the tasks a source feeds wait for their pull request's CI)
            array_agg(case v_lane_done[array_position(v_lanes, t.lane)]
                          when 'ci' then fleet._done_state(t.lane, t.id)
-                         else v_lane_done[array_position(v_lanes, t.lane)] end order by t.id),
-           array_agg(t.lane order by t.id), array_agg(t.session_id order by t.id),
-           array_agg(t.attempts order by t.id)
-      into v_ids, v_tokens, v_results, v_states, v_task_lanes, v_sessions, v_attempts
+                         else v_lane_done[array_position(v_lanes, t.lane)] end order by t.id)
+      into v_ids, v_tokens, v_results, v_states
       from unnest(p_tasks, p_tokens, coalesce(p_results, array_fill(null::jsonb, array[v_n])))
            as i(task_id, token, result)
       join fleet.tasks t on t.id = i.task_id
@@ -105,14 +98,12 @@ begin
                lease_token = null, lease_expires_at = null, session_id = null
           from unnest(v_ids, v_results, v_states) as h(id, result, state)
          where t.id = h.id;
-        -- the run of each lease (fleet._end_run)
+        -- the run of each lease, as fleet._end_run closes it: the completions' entries in the
+        -- journal (fleet.journal)
         update fleet.runs r
-           set outcome = 'done', ended_at = now()
-          from unnest(v_tokens) as h(token)
+           set outcome = 'done', ended_at = now(), end_id = nextval('fleet.events_id_seq'), end_state = h.state
+          from unnest(v_tokens, v_states) as h(token, state)
          where r.lease_token = h.token and r.ended_at is null;
-        insert into fleet.events (kind, lane, task_id, session_id, detail)
-        select 'completed', h.lane, h.id, h.session_id, jsonb_build_object('attempt', h.attempts, 'state', h.state)
-          from unnest(v_ids, v_task_lanes, v_sessions, v_attempts, v_states) as h(id, lane, session_id, attempts, state);
     end if;
 
     return query
@@ -431,8 +422,7 @@ begin
        set state = 'queued', run_at = v_until, carry_over = true, updated_at = now(),
            lease_token = null, lease_expires_at = null, session_id = null
      where id = p_task;
-    update fleet.runs set reason = 'usage-limit' where lease_token = p_token;
-    perform fleet._end_run(p_token, 'throttled', p_note);
+    perform fleet._end_run(p_token, 'throttled', p_note, null, 'usage-limit');
     perform fleet._event('throttled', t.lane, p_task, t.session_id,
         jsonb_strip_nulls(jsonb_build_object('attempt', t.attempts, 'pool', t.pool, 'profile', t.run_profile,
                                              'until', v_until, 'note', left(p_note, 1000),
@@ -642,8 +632,11 @@ $$;
 revoke all on function fleet.record_run(uuid,jsonb) from public;
 grant execute on function fleet.record_run(uuid,jsonb) to fleet_worker, service_role;
 
--- Close the run row of a lease.
-create or replace function fleet._end_run(p_token uuid, p_outcome text, p_error text default null)
+-- Close the run row of a lease: its outcome, and its position in the journal (end_id; a completed
+-- run's end is the completion's entry there, with the state its task went to: p_state). One
+-- update changing no indexed column: HOT where the page has room.
+create or replace function fleet._end_run(p_token uuid, p_outcome text, p_error text default null,
+                                          p_state text default null, p_reason text default null)
 returns void
 language plpgsql
 as $$
@@ -651,12 +644,15 @@ begin
     update fleet.runs
        set outcome = p_outcome,
            ended_at = now(),
+           end_id = nextval('fleet.events_id_seq'),
+           end_state = p_state,
+           reason = coalesce(p_reason, reason),
            error_tail = coalesce(error_tail, left(p_error, 4000))
      where lease_token = p_token and ended_at is null;
 end
 $$;
-revoke all on function fleet._end_run(uuid,text,text) from public;
-grant execute on function fleet._end_run(uuid,text,text) to service_role;
+revoke all on function fleet._end_run(uuid,text,text,text,text) from public;
+grant execute on function fleet._end_run(uuid,text,text,text,text) to service_role;
 
 -- What a completed task of the lane becomes: ci when the lane has ci = true and a source feeds
 -- the task (p_task; NULL: any task of the lane), where it waits for its pull request's checks

@@ -617,11 +617,13 @@ begin
         select * into c from fleet.tasks where id = b.task_id;
         update fleet.tasks set attempts = attempts + 1 where id = m.task_id
         returning attempts into t.attempts;
-        insert into fleet.runs (task_id, session_id, lane, attempt, lease_token, started_at, ended_at, outcome,
+        -- (no claim: its start is in no journal entry, start_id NULL; the member's landing is its
+        -- batch's event)
+        insert into fleet.runs (task_id, session_id, lane, attempt, lease_token, start_id, started_at, ended_at, outcome,
                                 exit_code, tier, model, agent_session, profile, pool, reason, gate,
                                 input_tokens, cache_creation_tokens, cache_read_tokens, output_tokens, cost_usd,
                                 log_path, error_tail)
-        values (m.task_id, c.session_id, t.lane, t.attempts, gen_random_uuid(), coalesce(m.started_at, now()),
+        values (m.task_id, c.session_id, t.lane, t.attempts, gen_random_uuid(), null, coalesce(m.started_at, now()),
                 now(), p_outcome, (u ->> 'exit_code')::int, t.tier, u ->> 'model', u ->> 'agent_session',
                 coalesce(b.profile, c.run_profile), c.pool, p_reason, p_gate,
                 coalesce((u ->> 'input_tokens')::bigint, 0), coalesce((u ->> 'cache_creation_tokens')::bigint, 0),

@@ -67,6 +67,22 @@ $$;
 revoke all on function fleet.lane_hours_rolled_until() from public;
 grant execute on function fleet.lane_hours_rolled_until() to fleet_operator, service_role;
 
+-- The runs that ended at p_since or later. ended_at is in no index (closing a run, and
+-- record_run, are HOT updates): a run that lasted at most an hour started at most an hour before
+-- its end (runs_started), and one that lasted longer has long_ended_at (runs_long_ended). Inlined
+-- into its callers' plans (one SQL statement): a BitmapOr of the two.
+create or replace function fleet._runs_ended_since(p_since timestamptz)
+returns setof fleet.runs
+language sql
+stable
+as $$
+    select * from fleet.runs r
+     where (r.started_at >= p_since - interval '1 hour' and r.ended_at >= p_since)
+        or r.long_ended_at >= p_since;
+$$;
+revoke all on function fleet._runs_ended_since(timestamp with time zone) from public;
+grant execute on function fleet._runs_ended_since(timestamp with time zone) to fleet_operator, service_role;
+
 -- The hours from p_from on: rolled up where they are, computed live after that.
 create or replace function fleet.lane_hours_since(p_from timestamptz)
 returns setof fleet.lane_hours
@@ -96,11 +112,10 @@ stable
 as $$
     with ran as (
         -- every run that started or ended in the range: those that ended since p_from
-        -- (runs_ended), and the open ones (runs_open)
+        -- (fleet._runs_ended_since), and the open ones that started since then (runs_started)
         select r.id, r.task_id, r.lane, r.attempt, r.outcome, r.started_at, r.ended_at,
                r.input_tokens, r.cache_creation_tokens, r.cache_read_tokens, r.output_tokens, r.cost_usd
-          from fleet.runs r
-         where r.ended_at >= p_from
+          from fleet._runs_ended_since(p_from) r
         union all
         select r.id, r.task_id, r.lane, r.attempt, r.outcome, r.started_at, r.ended_at,
                0, 0, 0, 0, 0

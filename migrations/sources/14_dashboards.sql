@@ -8,9 +8,71 @@
 -- The one hand-edited definition of each function and view below. A change here needs a
 -- migration made from it: `uv run python -m worker.dev.sqlsources new <name>` (see README).
 
+-- The journal: every transition of every task, in the order it happened. What a row records is
+-- written once, in that row, and read back here as the entry it is: a task's creation (the task
+-- row: enqueued), a claim (its run's start: claimed) and a completion (its run's end: completed);
+-- everything else is a row of fleet.events (repairs, hand-offs, cancels, throttles, routes, batch
+-- steps, …). One sequence (the events' ids) numbers them all: id is the entry's position.
+--
+-- fleet.journal_since(p_since) holds the one definition of the entries, from p_since on (events_ts,
+-- tasks_created, runs_started, fleet._runs_ended_since); fleet.journal is all of it. Both are
+-- inlined into the caller's plan, so a task's entries (task_id: events_task, tasks_pkey, runs_task)
+-- and a session's (session_id: events_session, runs_session) are index reads. Invoker: the rows of
+-- the caller's lanes.
+create or replace function fleet.journal_since(p_since timestamptz)
+returns table (id bigint, ts timestamptz, kind text, lane text, task_id bigint, session_id uuid, detail jsonb)
+language sql
+stable
+as $$
+    select e.id, e.ts, e.kind, e.lane, e.task_id, e.session_id, e.detail
+      from fleet.events e
+     where e.ts >= p_since
+    union all
+    select t.journal_id, t.created_at, 'enqueued', coalesce(t.stages -> 0 ->> 'lane', t.lane), t.id, null::uuid,
+           jsonb_strip_nulls(jsonb_build_object('key', t.key, 'priority', t.priority, 'run_at', t.run_at,
+                                                'tier', t.tier, 'profile', t.profile))
+      from fleet.tasks t
+     where t.created_at >= p_since
+    union all
+    select r.start_id, r.started_at, 'claimed', r.lane, r.task_id, r.session_id,
+           jsonb_strip_nulls(jsonb_build_object('attempt', r.attempt, 'tier', r.tier, 'profile', r.profile,
+                                                'pool', r.pool)) || coalesce(r.claim_detail, '{}')
+      from fleet.runs r
+     where r.start_id is not null and r.started_at >= p_since
+    union all
+    select r.end_id, r.ended_at, 'completed', r.lane, r.task_id, r.session_id,
+           jsonb_build_object('attempt', r.attempt, 'state', r.end_state)
+      from fleet._runs_ended_since(p_since) r
+     where r.end_id is not null and r.outcome = 'done';
+$$;
+comment on function fleet.journal_since(timestamptz) is
+    'The journal''s entries from p_since on, in no order (order by id): as fleet.journal.';
+revoke all on function fleet.journal_since(timestamp with time zone) from public;
+grant execute on function fleet.journal_since(timestamp with time zone) to fleet_operator, fleet_worker, service_role;
+
+create or replace view fleet.journal with (security_invoker = true) as
+select j.id, j.ts, j.kind, j.lane, j.task_id, j.session_id, j.detail from fleet.journal_since('-infinity') j;
+comment on view fleet.journal is
+    'Every transition, in order (id): the events, and what the rows record once — a task''s creation '
+    '(enqueued: its key, priority, run_at, tier and profile as the task has them now), a claim''s run '
+    'start (claimed) and a completed run''s end (completed: the state the task went to).';
+comment on column fleet.journal.id is 'the entry''s position: one sequence orders every entry';
+comment on column fleet.journal.ts is 'when (the time of the transaction that wrote it)';
+comment on column fleet.journal.kind is 'what happened: enqueued, claimed, completed, or an event''s kind';
+comment on column fleet.journal.lane is 'the lane it happened in';
+comment on column fleet.journal.task_id is 'the task (NULL: an event of a lane or a session)';
+comment on column fleet.journal.session_id is 'the shift''s session, where one took part';
+comment on column fleet.journal.detail is 'what the entry says besides';
+revoke all on fleet.journal from service_role;
+grant select on fleet.journal to fleet_operator, fleet_worker, service_role;
+create or replace trigger read_only instead of insert or update or delete on fleet.journal
+    for each row execute function fleet._read_only_view();
+
 create or replace view fleet.lane_overview with (security_invoker = true) as
 with outcomes as (
-    -- the journal's last 24 h of outcomes per lane (events_kind_ts: one range per kind)
+    -- the journal's last 24 h of outcomes per lane: the events (events_kind_ts: one range per
+    -- kind; completed: a batch member's landing), and the claims' runs completed
+    -- (fleet._runs_ended_since)
     select e.lane,
            count(*) filter (where e.kind = 'completed') as done_24h,
            count(*) filter (where e.kind = 'failed') as failed_24h,
@@ -26,6 +88,11 @@ with outcomes as (
      where e.kind in ('completed', 'failed', 'repaired', 'handed_off', 'cancelled', 'retried')
        and e.ts >= now() - interval '24 hours'
      group by e.lane
+), completions as (
+    select r.lane, count(*) as done_24h
+      from fleet._runs_ended_since(now() - interval '24 hours') r
+     where r.outcome = 'done' and r.end_id is not null
+     group by r.lane
 )
 select l.name as lane,
        l.paused or l.paused_reason is not null as paused,
@@ -36,7 +103,7 @@ select l.name as lane,
        l.max_running as slots,
        case when l.max_running is not null then greatest(l.max_running - r.running, 0) end as idle_slots,
        round(extract(epoch from now() - q.oldest_ready_at), 1) as oldest_ready_seconds,
-       coalesce(o.done_24h, 0) as done_24h,
+       coalesce(o.done_24h, 0) + coalesce(c.done_24h, 0) as done_24h,
        coalesce(o.failed_24h, 0) as failed_24h,
        coalesce(o.dead_24h, 0) as dead_24h,
        coalesce(o.cancelled_24h, 0) as cancelled_24h,
@@ -66,7 +133,7 @@ select l.name as lane,
                min(t.run_at) filter (where t.run_at <= now()) as oldest_ready_at
           from fleet.tasks t
          where t.lane = l.name and t.state = 'queued') q
-  -- running rows of the lane: tasks_running_lane (partial, running only)
+  -- running rows of the lane: tasks_lane_state
   cross join lateral (
         select count(*) as running from fleet.tasks t where t.lane = l.name and t.state = 'running') r
   cross join lateral (
@@ -76,6 +143,7 @@ select l.name as lane,
         select h.created_at from fleet.lane_handoffs h where h.lane = l.name order by h.id desc limit 1) h
     on true
   left join outcomes o on o.lane = l.name
+  left join completions c on c.lane = l.name
   -- waiting for people: blocked (tasks_blocked), in review (tasks_review), agents waiting on a prompt
   cross join lateral (
         select count(*) filter (where t.state = 'blocked') as blocked,
@@ -87,7 +155,7 @@ select l.name as lane,
  order by l.name;
 comment on view fleet.lane_overview is
     'One row per lane: what waits, what runs, free slots, and the outcomes of the last 24 h '
-    '(from fleet.events). Reads the live rows through the partial indexes and 24 h of the journal.';
+    '(from the journal). Reads the live rows through the partial indexes and 24 h of the journal.';
 comment on column fleet.lane_overview.lane is 'the lane';
 comment on column fleet.lane_overview.paused is
     'the lane is paused (by the operator in fleet.toml, or by lanefleet: paused_reason): nothing is claimed';
@@ -133,7 +201,7 @@ create or replace trigger read_only instead of insert or update or delete on fle
 
 create or replace view fleet.stuck_tasks with (security_invoker = true) as
 with running as (
-    -- the running tasks (tasks_running_lease), their open run and the start of their stage
+    -- the running tasks (tasks_running_session), their open run and the start of their stage
     select t.id, t.lane, t.key, t.title, t.session_id, t.attempts,
            t.last_progress_at, r.started_at as run_started_at,
            coalesce(fc.started_at, r.started_at) as stage_started_at,
@@ -154,14 +222,13 @@ with running as (
            percentile_cont(0.95) within group (order by extract(epoch from c.ended_at - c.stage_started_at))
                as p95_seconds
       from (select r.lane, r.ended_at, coalesce(fc.started_at, r.started_at) as stage_started_at
-              from fleet.runs r
+              from fleet._runs_ended_since(now() - interval '7 days') r
               left join lateral (
                     select r0.started_at from fleet.runs r0
                      where r.attempt > 1 and r0.task_id = r.task_id and r0.id < r.id
                        and r0.lane = r.lane and r0.attempt = 1
                      order by r0.id desc limit 1) fc on true
-             where r.ended_at >= now() - interval '7 days'
-               and r.outcome in ('done', 'routed')
+             where r.outcome in ('done', 'routed')
                and r.lane in (select lane from running)) c
      group by c.lane
 ), judged as (
@@ -514,9 +581,9 @@ select pl.name as pool,
        (select count(*) from fleet.events e
          where e.kind = 'throttled' and e.ts >= date_trunc('day', now())
            and e.detail ->> 'pool' = pl.name) as throttles_today,
-       (select count(*) from fleet.events e
-         where e.kind = 'claimed' and e.ts >= date_trunc('day', now())
-           and e.detail ->> 'pool' = pl.name and (e.detail ->> 'spilled')::boolean) as spillovers_today,
+       (select count(*) from fleet.runs r  -- (runs_pool_started)
+         where r.pool = pl.name and r.started_at >= date_trunc('day', now())
+           and (r.claim_detail ->> 'spilled')::boolean) as spillovers_today,
        (select string_agg(pf.name, ', ' order by pf.name) from fleet.profiles pf where pf.pool = pl.name) as profiles,
        (select count(*) from fleet.events e
          where e.kind = 'transient' and e.ts >= date_trunc('day', now())

@@ -263,7 +263,7 @@ begin
       left join lateral (
           select jsonb_build_object('id', ev.id, 'kind', ev.kind, 'detail', ev.detail,
                                     'key', t.state || ':' || ev.id) as outcome
-            from fleet.events ev
+            from fleet.journal ev
            where ev.task_id = t.id
              and ev.kind in ('completed', 'failed', 'blocked', 'repaired', 'ci_passed', 'ci_failed',
                              'external_advance', 'review_approved', 'claimed')

@@ -157,10 +157,10 @@ begin
         ), samples as (
             select p.metric, p.lane, null as pool, p.label, p.value from per_lane p where p.value is not null
             union all
-            -- usage limits hit, by lane and pool: every throttle ends its run as throttled (runs_throttled)
-            select 'throttles_total', r.lane, r.pool, null, count(*)
-              from fleet.runs r where r.outcome = 'throttled'
-             group by r.lane, r.pool
+            -- usage limits hit, by lane and pool: every throttle writes a throttled event (events_kind_ts)
+            select 'throttles_total', e.lane, e.detail ->> 'pool', null, count(*)
+              from fleet.events e where e.kind = 'throttled'
+             group by e.lane, e.detail ->> 'pool'
             union all
             -- the pools now: fleet.pool_overview
             select x.metric, null, po.pool, null, x.value

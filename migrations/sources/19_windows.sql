@@ -270,7 +270,7 @@ create or replace trigger read_only instead of insert or update or delete on fle
 -- met anyway), spill-overs (claims that drew the pool other than the lane's first choice), and
 -- hand-offs at a window's end (agents asked to stop before a window closed). The bake-off's
 -- question, "did the pools throttle often enough for the capacity case to hold?", in one query.
--- Invoker: the events of the caller's lanes (events_kind_ts).
+-- Invoker: the events and runs of the caller's lanes (events_kind_ts, runs_started).
 create or replace function fleet.window_outcomes(p_from timestamptz, p_to timestamptz)
 returns table (pool text, throttles_avoided bigint, throttles_hit bigint, spill_overs bigint, window_handoffs bigint)
 language sql
@@ -279,8 +279,13 @@ as $$
     with e as (
         select e.kind, e.detail
           from fleet.events e
-         where e.kind in ('claimed', 'window_deferred', 'throttled', 'handed_off')
+         where e.kind in ('window_deferred', 'throttled', 'handed_off')
            and e.ts >= p_from and e.ts < p_to
+        union all
+        -- the claims that did not take the lane's first choice (runs_started)
+        select 'claimed', r.claim_detail || jsonb_build_object('pool', r.pool)
+          from fleet.runs r
+         where r.claim_detail is not null and r.started_at >= p_from and r.started_at < p_to
     ), per_pool as (
         -- a pool passed over (window_spill lists them) or waited for (window_deferred's pools)
         select p.pool, 'avoided' as what

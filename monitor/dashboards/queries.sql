@@ -103,8 +103,8 @@ select distinct coalesce(t.stages -> 0 ->> 'lane', t.lane) as lane
 select now() as now;
 
 -- name: first_activity
--- The first journal entry of the window (events_ts), so a short history fills the report's charts.
-select min(e.ts) as first_ts from fleet.events e where e.ts >= %(since)s::timestamptz;
+-- The first journal entry of the window (fleet.journal_since), so a short history fills the report's charts.
+select min(e.ts) as first_ts from fleet.journal_since(%(since)s::timestamptz) e;
 
 -- name: live_counts
 -- Queued and running tasks per lane now (the partial indexes of the claim and the monitor).
@@ -116,12 +116,12 @@ select l.name as lane,
 
 -- name: queue_deltas
 -- Per lane and bucket of %(step)s seconds from %(origin)s: the net change of queued and running
--- tasks, read from the journal (events_kind_ts). A route counts in both lanes.
+-- tasks, read from the journal (fleet.journal_since). A route counts in both lanes.
 select d.lane,
        date_bin(make_interval(secs => %(step)s), e.ts, %(origin)s::timestamptz) as bucket,
        sum(d.dq)::bigint as dq,
        sum(d.dr)::bigint as dr
-  from fleet.events e
+  from fleet.journal_since(%(origin)s::timestamptz) e
   cross join lateral (values
         (e.lane,
          case when e.kind in ('enqueued', 'retried') then 1
@@ -136,23 +136,21 @@ select d.lane,
         (case when e.kind = 'routed' then e.detail ->> 'to' end, 1, 0)) d (lane, dq, dr)
  where e.kind in ('enqueued', 'claimed', 'completed', 'failed', 'handed_off', 'repaired', 'routed',
                   'cancelled', 'retried')
-   and e.ts >= %(origin)s::timestamptz
    and d.lane is not null
    and (d.dq <> 0 or d.dr <> 0)
  group by 1, 2
  order by 2, 1;
 
 -- name: run_outcomes
--- Per lane and bucket of %(step)s seconds from %(origin)s: runs that ended, by outcome (runs_ended).
+-- Per lane and bucket of %(step)s seconds from %(origin)s: runs that ended, by outcome (fleet._runs_ended_since).
 select r.lane,
        date_bin(make_interval(secs => %(step)s), r.ended_at, %(origin)s::timestamptz) as bucket,
        count(*) filter (where r.outcome in ('done', 'routed')) as completed,
        count(*) filter (where r.outcome = 'failed') as failed,
        count(*) filter (where r.outcome = 'handed_off') as handed_off,
        count(*) filter (where r.outcome = 'lost') as lost
-  from fleet.runs r
- where r.ended_at >= %(origin)s::timestamptz
-   and (%(lane)s::text is null or r.lane = %(lane)s)
+  from fleet._runs_ended_since(%(origin)s::timestamptz) r
+ where (%(lane)s::text is null or r.lane = %(lane)s)
  group by 1, 2
  order by 2, 1;
 
@@ -160,18 +158,17 @@ select r.lane,
 -- Stage wall-clock (first claim in the lane -> finish) of each stage completed since %(origin)s.
 select r.lane,
        extract(epoch from r.ended_at - coalesce(fc.started_at, r.started_at))::double precision as seconds
-  from fleet.runs r
+  from fleet._runs_ended_since(%(origin)s::timestamptz) r
   left join lateral (
         select r0.started_at from fleet.runs r0
          where r.attempt > 1 and r0.task_id = r.task_id and r0.id < r.id
            and r0.lane = r.lane and r0.attempt = 1
          order by r0.id desc limit 1) fc on true
- where r.ended_at >= %(origin)s::timestamptz
-   and r.outcome in ('done', 'routed')
+ where r.outcome in ('done', 'routed')
    and (%(lane)s::text is null or r.lane = %(lane)s);
 
 -- name: usage_days
--- Tokens by kind and cost per UTC day, for the runs that ended since %(origin)s (runs_ended).
+-- Tokens by kind and cost per UTC day, for the runs that ended since %(origin)s (fleet._runs_ended_since).
 select (r.ended_at at time zone 'UTC')::date as day,
        sum(r.input_tokens)::bigint as input_tokens,
        sum(r.cache_creation_tokens)::bigint as cache_creation_tokens,
@@ -179,9 +176,8 @@ select (r.ended_at at time zone 'UTC')::date as day,
        sum(r.output_tokens)::bigint as output_tokens,
        sum(r.cost_usd) as cost_usd,
        count(*) filter (where r.outcome in ('done', 'routed')) as completed
-  from fleet.runs r
- where r.ended_at >= %(origin)s::timestamptz
-   and (%(lane)s::text is null or r.lane = %(lane)s)
+  from fleet._runs_ended_since(%(origin)s::timestamptz) r
+ where (%(lane)s::text is null or r.lane = %(lane)s)
  group by 1
  order by 1;
 

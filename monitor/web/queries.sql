@@ -35,7 +35,7 @@ select * from fleet.runs where task_id = %(id)s order by id;
 
 -- name: task_events
 -- The journal of one task, newest first, at most %(limit)s.
-select * from fleet.events where task_id = %(id)s order by id desc limit %(limit)s;
+select * from fleet.journal where task_id = %(id)s order by id desc limit %(limit)s;
 
 -- name: session
 -- One session (where a run's shift runs: its host).

@@ -212,7 +212,7 @@ class RestSnapshot(Snapshot):
         return self._view("runs", eq={"task_id": task}, order=[("id", False)])
 
     def events(self, task: int, limit: int = 200) -> list[dict[str, Any]]:
-        return self._view("events", eq={"task_id": task}, order=[("id", True)], limit=limit)
+        return self._view("journal", eq={"task_id": task}, order=[("id", True)], limit=limit)
 
     def session(self, session: str) -> dict[str, Any] | None:
         rows = self._view("session_overview", eq={"session_id": session})

@@ -530,10 +530,10 @@ def test_chaos(tmp_path: Path) -> None:
                             " group by task_id having count(*) > 1")
         outcomes = {r["outcome"] or "open": r["n"] for r in db.rows(
             "select outcome, count(*) as n from fleet.runs group by outcome")}
-        repaired = db.rows("select e.ts, e.session_id, e.detail from fleet.events e"
+        repaired = db.rows("select e.ts, e.session_id, e.detail from fleet.journal e"
                            " where e.kind = 'repaired' order by e.id")
         reasons = Counter(r["detail"].get("reason") for r in repaired)
-        first_done = db.rows("select min(ts) as ts from fleet.events where kind = 'completed'")[0]["ts"]
+        first_done = db.rows("select min(ts) as ts from fleet.journal where kind = 'completed'")[0]["ts"]
         sessions = db.rows("select id, pid, started_at, state, end_reason from fleet.sessions")
         active_sessions = [s for s in sessions if s["state"] == "active"]
         lost_sessions = Counter(s["end_reason"] for s in sessions if s["state"] == "lost")

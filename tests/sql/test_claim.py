@@ -486,7 +486,7 @@ def test_eight_claimers_never_exceed_max_running_nor_claim_twice(db_url: str) ->
         ).fetchone() == (TASKS,)
         ev = dict(
             c.execute(
-                "select kind, count(*) from fleet.events where task_id is not null group by kind"
+                "select kind, count(*) from fleet.journal where task_id is not null group by kind"
             ).fetchall()
         )
         assert ev == {"enqueued": TASKS, "claimed": TASKS, "completed": TASKS}
@@ -543,7 +543,7 @@ def test_claimers_of_a_lane_without_limits_take_each_task_once(db_url: str, conn
     assert conn.execute("select state, attempts, count(*) from fleet.tasks group by 1, 2").fetchall() == [
         ("done", 1, 600)]
     assert one(conn, "select count(*) from fleet.runs where outcome = 'done'") == 600
-    assert conn.execute("select kind, count(*) from fleet.events where task_id is not null group by 1 order by 1"
+    assert conn.execute("select kind, count(*) from fleet.journal where task_id is not null group by 1 order by 1"
                         ).fetchall() == [("claimed", 600), ("completed", 600), ("enqueued", 600)]
 
 

@@ -109,6 +109,8 @@ def test_lane_overview_counts_live_work_and_the_last_24_hours(conn: psycopg.Conn
     x8 = enqueue(conn, "a", "x8")
     complete(conn, x8, take(conn, s1, x8)["lease_token"])
     conn.execute("update fleet.events set ts = now() - interval '25 hours' where task_id = %s", (x8,))
+    conn.execute("update fleet.runs set started_at = started_at - interval '25 hours',"
+                 " ended_at = ended_at - interval '25 hours' where task_id = %s", (x8,))
     enqueue(conn, "a", "x9", run_at=datetime.now(UTC) - timedelta(seconds=300))   # ready, oldest
     enqueue(conn, "a", "x10", run_at=datetime.now(UTC) + timedelta(days=1))       # scheduled
 
@@ -603,14 +605,14 @@ BIG = {"tasks", "runs", "events", "sessions", "lane_handoffs"}
 
 PLANS = {
     # query: indexes its time window (or live rows) must be read through
-    "select * from fleet.lane_overview": {"tasks_ready", "tasks_running_lane|tasks_lane_state",
+    "select * from fleet.lane_overview": {"tasks_ready", "tasks_lane_state",
                                           "events_kind_ts|events_ts", "sessions_active_lane|sessions_active_host"},
-    "select * from fleet.stuck_tasks": {"tasks_running_lease|tasks_running_session|tasks_running_lane"},
+    "select * from fleet.stuck_tasks": {"tasks_running_session|tasks_lane_state"},
     "select * from fleet.session_overview": {"sessions_started", "runs_session"},
     "select * from fleet.recent_repairs": {"events_kind_ts"},
     "select * from fleet.dead_letters": {"tasks_dead"},
-    "select * from fleet.throughput_hourly": {"runs_ended", "tasks_created", "events_kind_ts"},
-    "select * from fleet.usage_by_lane_day": {"runs_ended"},
+    "select * from fleet.throughput_hourly": {"runs_started", "runs_long_ended", "tasks_created", "events_kind_ts"},
+    "select * from fleet.usage_by_lane_day": {"runs_started", "runs_long_ended"},
     "select * from fleet.cohort_metrics(now() - interval '7 days', now())": {"tasks_created", "runs_started"},
     "select * from fleet.cohort_metrics(now() - interval '200 days', now() - interval '193 days')":
         {"tasks_created", "runs_task"},

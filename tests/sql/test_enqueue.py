@@ -258,7 +258,7 @@ def test_concurrent_enqueue_of_one_key_creates_one_task(db_url: str) -> None:
     with psycopg.connect(db_url, autocommit=True) as c:
         assert c.execute("select count(*) from fleet.tasks").fetchone() == (1,)
         assert c.execute(
-            "select count(*) from fleet.events where kind = 'enqueued'"
+            "select count(*) from fleet.journal where kind = 'enqueued'"
         ).fetchone() == (1,)
 
 
@@ -277,7 +277,7 @@ def test_enqueue_many_returns_every_element_in_input_order(lanes: psycopg.Connec
     # new tasks numbered in input order, not in key order (the insert runs in key order)
     assert ids["z"] < ids["a"] < ids["m"]
     # one journal row per new task, in input order, as enqueue_task writes it
-    events = rows(conn, "select task_id, lane, detail from fleet.events where kind = 'enqueued' and task_id <> %s"
+    events = rows(conn, "select task_id, lane, detail from fleet.journal where kind = 'enqueued' and task_id <> %s"
                         " order by id", (old,))
     assert [e["task_id"] for e in events] == [ids["z"], ids["a"], ids["m"]]
     assert events[0]["lane"] == "docs" and events[0]["detail"]["key"] == "z"
@@ -339,7 +339,7 @@ def test_enqueue_many_takes_a_tier_a_profile_and_a_budget(lanes: psycopg.Connect
         "large", "opus", 2.5, 40000)
     assert rows(conn, f"select {cols} from fleet.tasks where key = 'bulk:2'")[0] == dict.fromkeys(
         ("tier", "profile", "max_cost_usd", "max_tokens"))
-    detail = one(conn, "select detail from fleet.events e join fleet.tasks t on t.id = e.task_id"
+    detail = one(conn, "select detail from fleet.journal e join fleet.tasks t on t.id = e.task_id"
                        " where t.key = 'bulk:1' and e.kind = 'enqueued'")
     assert (detail["tier"], detail["profile"]) == ("large", "opus")
     # the claim runs it at its tier, with its profile

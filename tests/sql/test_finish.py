@@ -150,7 +150,7 @@ def test_a_stale_token_in_the_middle_of_a_batch(lanes: psycopg.Connection) -> No
         "running", b["lease_token"], s, None)
     assert [(r["outcome"], r["ended_at"]) for r in rows(conn, "select * from fleet.runs where task_id = %s",
                                                        (b["id"],))] == [(None, None)]
-    assert one(conn, "select count(*) from fleet.events where task_id = %s and kind = 'completed'", (b["id"],)) == 0
+    assert one(conn, "select count(*) from fleet.journal where task_id = %s and kind = 'completed'", (b["id"],)) == 0
 
     for t, result in ((a, None), (c, {"n": 3})):
         done = task(conn, t["id"])
@@ -159,7 +159,7 @@ def test_a_stale_token_in_the_middle_of_a_batch(lanes: psycopg.Connection) -> No
         assert done["finished_at"] is not None
         [run] = rows(conn, "select * from fleet.runs where task_id = %s", (t["id"],))
         assert run["outcome"] == "done" and run["ended_at"] is not None
-        [ev] = rows(conn, "select * from fleet.events where task_id = %s and kind = 'completed'", (t["id"],))
+        [ev] = rows(conn, "select * from fleet.journal where task_id = %s and kind = 'completed'", (t["id"],))
         assert (ev["lane"], ev["session_id"], ev["detail"]) == ("docs", s, {"attempt": 1, "state": "done"})
 
     # the lost one can still be completed by its holder
@@ -173,7 +173,7 @@ def test_complete_many_does_what_complete_does(lanes: psycopg.Connection) -> Non
     complete_many(conn, [bulk["id"]], [bulk["lease_token"]], [{"ok": True}])
     cols = ("state", "result", "lease_token", "lease_expires_at", "session_id", "attempts", "failures")
     assert {c: task(conn, bulk["id"])[c] for c in cols} == {c: task(conn, one_by_one["id"])[c] for c in cols}
-    ev = "select kind, lane, session_id, detail from fleet.events where task_id = %s and kind <> 'enqueued' order by id"
+    ev = "select kind, lane, session_id, detail from fleet.journal where task_id = %s and kind <> 'enqueued' order by id"
     assert rows(conn, ev, (bulk["id"],)) == rows(conn, ev, (one_by_one["id"],))
     run = "select outcome, attempt, ended_at is not null as ended from fleet.runs where task_id = %s"
     assert rows(conn, run, (bulk["id"],)) == rows(conn, run, (one_by_one["id"],))
@@ -192,7 +192,7 @@ def test_a_batch_over_two_lanes_goes_to_review_where_its_lane_requires_one(lanes
         ([d1["id"], d2["id"], b1["id"]],))] == sorted(
         [(d1["id"], "done", True), (d2["id"], "done", True), (b1["id"], "review", False)])
     assert sorted((r["task_id"], r["lane"], r["detail"]["state"]) for r in rows(
-        conn, "select task_id, lane, detail from fleet.events where kind = 'completed'")) == sorted(
+        conn, "select task_id, lane, detail from fleet.journal where kind = 'completed'")) == sorted(
         [(d1["id"], "docs", "done"), (d2["id"], "docs", "done"), (b1["id"], "bugfix", "review")])
 
 
@@ -1154,7 +1154,7 @@ def test_cannot_start_hands_the_task_back_unspent_and_pauses_its_lane(conn, lane
     assert (run["outcome"], run["error_tail"]) == ("not_started", error)
     assert last_event(conn, first)["kind"] == "not_started"
     assert one(conn, "select paused_reason from fleet.lanes where name = %s", (lane,)) == error
-    [paused] = rows(conn, "select detail from fleet.events where kind = 'lane_paused'")
+    [paused] = rows(conn, "select detail from fleet.journal where kind = 'lane_paused'")
     assert (paused["detail"]["by"], paused["detail"]["task"]) == ("run", first)
     # the lane claims nothing more into the same mistake: the other task, and this one, wait
     assert claim(conn, session, 5) == []
@@ -1358,4 +1358,4 @@ def test_sync_profile_refuses_a_throttle_floor_past_the_longest_window(conn):
 
 
 def last_event_of(conn: psycopg.Connection, kind: str) -> dict[str, Any]:
-    return one(conn, "select detail from fleet.events where kind = %s order by id desc limit 1", (kind,))
+    return one(conn, "select detail from fleet.journal where kind = %s order by id desc limit 1", (kind,))

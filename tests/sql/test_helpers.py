@@ -54,7 +54,7 @@ def test_release_of_a_task_not_running_does_nothing(conn, lane):
 # the hot helpers are PL/pgSQL
 
 
-HOT_HELPERS = ["_event(text,text,bigint,uuid,jsonb)", "_end_run(uuid,text,text)", "_lane_allowed(text)",
+HOT_HELPERS = ["_event(text,text,bigint,uuid,jsonb)", "_end_run(uuid,text,text,text,text)", "_lane_allowed(text)",
                "_done_state(text,bigint)", "_allowed_lanes()", "_require_lane(text)"]
 
 
@@ -77,5 +77,5 @@ def test_the_hot_helpers_are_plpgsql_and_claim_and_sync_lane_stay_definer(conn: 
     assert one(conn, "select fleet.complete(%s, %s)", (task, token)) == "review"
     assert conn.execute("select outcome, ended_at is not null from fleet.runs where task_id = %s",
                         (task,)).fetchall() == [("done", True)]
-    assert one(conn, "select detail from fleet.events where task_id = %s and kind = 'completed'",
+    assert one(conn, "select detail from fleet.journal where task_id = %s and kind = 'completed'",
                (task,)) == {"attempt": 1, "state": "review"}

@@ -75,7 +75,7 @@ def test_every_transition_writes_its_event(conn, lane, session):
     lanes = [
         r["lane"]
         for r in rows(
-            conn, "select lane from fleet.events where task_id = %s order by id", (task_id,)
+            conn, "select lane from fleet.journal where task_id = %s order by id", (task_id,)
         )
     ]
     assert lanes == ["a"] * 8 + ["b"] * 7
@@ -84,7 +84,7 @@ def test_every_transition_writes_its_event(conn, lane, session):
         r["kind"]
         for r in rows(
             conn,
-            "select kind from fleet.events where task_id is null and session_id = %s order by id",
+            "select kind from fleet.journal where task_id is null and session_id = %s order by id",
             (session,),
         )
     ]
@@ -137,7 +137,7 @@ INVARIANTS: dict[str, str] = {
                       and r.lease_token = t.lease_token))""",
     "a claimed event per run": """
         select t.id from fleet.tasks t
-         where (select count(*) from fleet.events e where e.task_id = t.id and e.kind = 'claimed')
+         where (select count(*) from fleet.journal e where e.task_id = t.id and e.kind = 'claimed')
                <> (select count(*) from fleet.runs r where r.task_id = t.id)""",
     "live tasks are under their caps": """
         select t.id from fleet.tasks t join fleet.lanes l on l.name = t.lane

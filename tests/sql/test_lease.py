@@ -169,7 +169,7 @@ def test_heartbeat_with_task_list_releases_what_the_shift_does_not_name(conn, la
     released = task(conn, b)
     assert released["state"] == "queued" and released["evaporations"] == 1
     kinds = [r[0] for r in conn.execute(
-        "select detail->>'reason' from fleet.events where task_id = %s and kind = 'repaired'", (b,))]
+        "select detail->>'reason' from fleet.journal where task_id = %s and kind = 'repaired'", (b,))]
     assert kinds == ["not-run-by-shift"]
     assert task(conn, a)["state"] == "running"
 

@@ -213,7 +213,7 @@ def test_clear_throttle_lifts_the_pool_and_readies_the_tasks_that_wait_for_it(co
     for task_id in (other_pool, transient_wait, later):
         assert one(conn, "select run_at > now() from fleet.tasks where id = %s", (task_id,)), task_id
     assert one(conn, "select throttled_until > now() from fleet.pools where name = 'other'")
-    ev = rows(conn, "select * from fleet.events where kind = 'throttle_cleared'")
+    ev = rows(conn, "select * from fleet.journal where kind = 'throttle_cleared'")
     assert len(ev) == 1 and ev[0]["task_id"] is None and ev[0]["lane"] is None
     assert ev[0]["detail"] == got | {"by": {"role": one(conn, "select session_user::text")}}
     # the pool's lanes claim again, the throttled task first
@@ -222,7 +222,7 @@ def test_clear_throttle_lifts_the_pool_and_readies_the_tasks_that_wait_for_it(co
     assert [t["id"] for t in claim(conn, open_session(conn, "a"), 5)] == [waiting]
     # again: nothing to lift, nothing journaled
     assert one(conn, "select fleet.clear_throttle('shared')")["was_until"] is None
-    assert len(rows(conn, "select * from fleet.events where kind = 'throttle_cleared'")) == 1
+    assert len(rows(conn, "select * from fleet.journal where kind = 'throttle_cleared'")) == 1
 
 
 def test_clear_throttle_is_a_fleet_wide_operators_call(conn):
@@ -245,5 +245,5 @@ def test_clear_throttle_is_a_fleet_wide_operators_call(conn):
     with as_key(conn, "fleet_operator", {"role": "fleet_operator", "sub": "lanefleet:operator:x"}):
         got = one(conn, "select fleet.clear_throttle('shared')")
         assert got["tasks"] == 1 and got["set_by"]["task"] == task_id
-        detail = one(conn, "select detail from fleet.events where kind = 'throttle_cleared'")
+        detail = one(conn, "select detail from fleet.journal where kind = 'throttle_cleared'")
         assert detail["by"] == {"role": "fleet_operator", "key": "lanefleet:operator:x"}

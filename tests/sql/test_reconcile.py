@@ -515,7 +515,7 @@ def test_a_second_monitor_during_a_pass_skips_and_changes_nothing(db_url, conn):
     (t,) = claim_exactly(conn, s)
     expire(conn, t["id"])
     conn.execute("update fleet.sessions set heartbeat_at = now() - interval '1 hour'")
-    before = one(conn, "select count(*) from fleet.events")
+    before = one(conn, "select count(*) from fleet.journal")
 
     with psycopg.connect(db_url) as a, psycopg.connect(db_url, autocommit=True) as b:
         first = rows(a, "select * from fleet.reconcile()")  # psycopg opened a transaction: held
@@ -526,7 +526,7 @@ def test_a_second_monitor_during_a_pass_skips_and_changes_nothing(db_url, conn):
         assert len(second) == 1 and second[0]["action"] == "skipped"
         assert second[0]["lane"] is None and second[0]["task_id"] is None
         # b sees nothing changed (a has not committed) and b wrote nothing itself
-        assert one(b, "select count(*) from fleet.events") == before
+        assert one(b, "select count(*) from fleet.journal") == before
         assert one(b, "select state from fleet.tasks where id = %s", (t["id"],)) == "running"
         assert one(b, "select state from fleet.sessions where id = %s", (s,)) == "active"
         a.commit()

@@ -54,7 +54,7 @@ def test_open_session(conn, lane):
     assert s["state"] == "active" and s["ended_at"] is None
     assert s["pid_started_at"] is not None
     assert float(s["len"]) == 300
-    ev = rows(conn, "select * from fleet.events where session_id = %s", (sid,))
+    ev = rows(conn, "select * from fleet.journal where session_id = %s", (sid,))
     assert [e["kind"] for e in ev] == ["session_opened"]
     assert ev[0]["detail"] == {"host": "box", "pid": 77, "seconds": 300}
 
@@ -162,7 +162,7 @@ def test_close_session_writes_the_lane_handoff(conn, lane, session):
     assert s["state"] == "ended" and s["ended_at"] is not None and s["end_reason"] == "deadline"
     ev = rows(
         conn,
-        "select * from fleet.events where session_id = %s and kind = 'session_closed'",
+        "select * from fleet.journal where session_id = %s and kind = 'session_closed'",
         (session,),
     )
     assert len(ev) == 1

@@ -75,7 +75,7 @@ def test_claims_spill_before_the_window_is_crossed_and_wait_when_no_pool_has_roo
     # median), does not fit the 500 left: it goes to the second pool, before the first throttles
     pools = [finish(conn, s)["pool"] for _ in range(4)]
     assert pools == ["first", "first", "first", "second"]
-    spill = rows(conn, "select detail from fleet.events where kind = 'claimed' order by id desc limit 1")[0]["detail"]
+    spill = rows(conn, "select detail from fleet.journal where kind = 'claimed' order by id desc limit 1")[0]["detail"]
     assert spill["window_spill"] == ["first"] and spill["pool"] == "second"
     assert window(conn)["used_tokens"] == 3000  # never crossed
 
@@ -93,7 +93,7 @@ def test_a_task_waits_for_the_window_to_reset_when_its_only_pool_is_full(conn: p
     waiting = task(conn, ids[2])
     reset = window(conn, "only")["resets_at"]
     assert waiting["state"] == "queued" and waiting["run_at"] == reset
-    (deferred,) = rows(conn, "select detail from fleet.events where kind = 'window_deferred'")
+    (deferred,) = rows(conn, "select detail from fleet.journal where kind = 'window_deferred'")
     assert deferred["detail"]["expected_tokens"] == 1000
     # at the reset (the first run slides out of the window) it is claimed again
     conn.execute("update fleet.runs set started_at = started_at - interval '5 hours 1 second'")

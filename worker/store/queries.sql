@@ -18,8 +18,8 @@ select * from fleet.tasks
  limit %(limit)s;
 
 -- name: task_events
--- The journal of one task, oldest first.
-select * from fleet.events where task_id = %(id)s order by id;
+-- The journal of one task, oldest first (fleet.journal: the events and what the rows record).
+select * from fleet.journal where task_id = %(id)s order by id;
 
 -- name: task_runs
 -- The runs (attempts) of one task, oldest first.

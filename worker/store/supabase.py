@@ -460,7 +460,7 @@ class SupabaseStore(NamedReads):
                 return q.order("id", desc=True).limit(int(params["limit"]))
             return self._rows(name, build)
         if name == "task_events":
-            return self._rows(name, lambda c: c.table("events").select("*").eq("task_id", int(params["id"]))
+            return self._rows(name, lambda c: c.table("journal").select("*").eq("task_id", int(params["id"]))
                               .order("id"))
         if name == "task_runs":
             return self._rows(name, lambda c: c.table("runs").select("*").eq("task_id", int(params["id"]))
