@@ -146,7 +146,7 @@ def verify(url: str, n: int, results: list[dict[str, Any]]) -> list[str]:
             "select count(*), count(*) filter (where state = 'done'), count(*) filter (where attempts <> 1),"
             " (select count(*) from fleet.runs where outcome = 'done'),"
             " (select count(*) from fleet.runs),"
-            " (select count(*) from fleet.events where kind = 'completed')"
+            " (select count(*) from fleet.journal where kind = 'completed')"
             " from fleet.tasks"
         ).fetchone()
     assert row is not None

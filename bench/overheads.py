@@ -9,7 +9,7 @@ what cron starts) against a scratch database on --url, with the scripted agent
 
 1. Start to first claim. One ready task; a ``fleet shift --once --max-tasks 1`` is spawned and the
    wall clock runs from just before the spawn to the ``claimed`` event of that task in
-   fleet.events (its ``ts`` is the claim's ``now()``; database and bench share this host's clock).
+   fleet.journal (its ``ts`` is the claim's ``now()``; database and bench share this host's clock).
    ``session_opened`` splits it into "start-up" (imports, config, schema check, the pool) and
    "session → claim". Two settings: without a bytecode cache (every module compiled from source:
    a venv that never wrote ``__pycache__``, or PYTHONDONTWRITEBYTECODE set) and with one (the
@@ -84,7 +84,7 @@ def start_to_claim(b: FleetBench, env: dict[str, str]) -> dict[str, float]:
     err = b.wait(proc, 120)
     assert proc.returncode == 0, err[-2000:]
     row = b.conn.execute(
-        "select (select extract(epoch from ts) from fleet.events where kind = 'claimed' and task_id = %s),"
+        "select (select extract(epoch from ts) from fleet.journal where kind = 'claimed' and task_id = %s),"
         " (select extract(epoch from e.ts) from fleet.events e join fleet.tasks t on t.id = %s"
         "   join fleet.runs r on r.task_id = t.id and r.session_id = e.session_id"
         "   where e.kind = 'session_opened'),"

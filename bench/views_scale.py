@@ -319,7 +319,7 @@ def build_history(conn: psycopg.Connection[Any], n: int, events: int, days: int,
         " (select count(*) from fleet.tasks where state = 'cancelled'),"
         " (select count(*) from fleet.runs where outcome = 'done')").fetchone()
     assert row is not None
-    runs, ended, sessions, cancelled, done = row
+    _runs, ended, sessions, cancelled, done = row
     fixed = (ended - done) + cancelled + 2 * sessions  # events besides the checkpoints
     per_run = max(0.0, (events - fixed) / max(ended, 1))
     t0 = time.perf_counter()

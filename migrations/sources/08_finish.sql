@@ -38,13 +38,7 @@ as $$
 #variable_conflict use_column
 declare
     v_n int := coalesce(cardinality(p_tasks), 0);
-    v_lanes text[];
-    v_lane_done text[];
     v_dup bigint;
-    v_ids bigint[];
-    v_tokens uuid[];
-    v_results jsonb[];
-    v_states text[];
 begin
     if p_tasks is null or p_tokens is null then
         perform fleet._raise('LF005', 'complete_many needs p_tasks and p_tokens (arrays of equal length)');
@@ -66,54 +60,50 @@ begin
         return;
     end if;
 
-    -- lock every named task of the caller's lanes, in id order (another lane's task is neither
-    -- locked nor told apart from a missing one: it is reported unknown), and what a completed task
-    -- of each lane becomes (review or done), once per lane
-    select array_agg(distinct l.lane) into v_lanes
-      from (select t.lane from fleet.tasks t where t.id = any (p_tasks) and fleet._lane_allowed(t.lane)
-             order by t.id for no key update) l;
-    v_lanes := coalesce(v_lanes, '{}');
-    for i in 1 .. cardinality(v_lanes) loop
-        v_lane_done[i] := fleet._done_state(v_lanes[i], null);
-    end loop;
-
-    -- the tasks whose lease the given token still holds, read before they are written, in id order
-    select array_agg(t.id order by t.id), array_agg(i.token order by t.id), array_agg(i.result order by t.id),
-           -- (a lane with ci: the tasks a source feeds wait for their pull request's CI)
-           array_agg(case v_lane_done[array_position(v_lanes, t.lane)]
-                         when 'ci' then fleet._done_state(t.lane, t.id)
-                         else v_lane_done[array_position(v_lanes, t.lane)] end order by t.id)
-      into v_ids, v_tokens, v_results, v_states
-      from unnest(p_tasks, p_tokens, coalesce(p_results, array_fill(null::jsonb, array[v_n])))
-           as i(task_id, token, result)
-      join fleet.tasks t on t.id = i.task_id
-     where t.state = 'running' and i.token is not null and t.lease_token = i.token
-       and fleet._lane_allowed(t.lane);
-
-    if v_ids is not null then
+    -- One statement: lock every named task of the caller's lanes, in id order (another lane's
+    -- task is neither locked nor told apart from a missing one: it is reported unknown); what a
+    -- completed task of each lane becomes (review or done), once per lane; the tasks whose lease the
+    -- given token still holds; their rows and their runs written (the runs as fleet._end_run
+    -- closes them: the completions' entries in the journal); a status per element in input order.
+    -- (The CTEs are materialized with what they read: each is a few rows per named task, read by
+    -- id or by lease token.)
+    return query
+    with locked as materialized (
+        select t.id, t.lane, t.state, t.lease_token
+          from fleet.tasks t
+         where t.id = any (p_tasks) and fleet._lane_allowed(t.lane)
+         order by t.id
+           for no key update
+    ), lanes as materialized (
+        select d.lane, fleet._done_state(d.lane, null) as done from (select distinct k.lane from locked k) d
+    ), held as materialized (
+        select k.id, i.token, i.result,
+               -- (a lane with ci: the tasks a source feeds wait for their pull request's CI)
+               case d.done when 'ci' then fleet._done_state(k.lane, k.id) else d.done end as state
+          from unnest(p_tasks, p_tokens, coalesce(p_results, array_fill(null::jsonb, array[v_n])))
+               as i(task_id, token, result)
+          join locked k on k.id = i.task_id
+          join lanes d on d.lane = k.lane
+         where k.state = 'running' and i.token is not null and k.lease_token = i.token
+    ), tasks_done as (
         update fleet.tasks t
            set state = h.state, result = h.result, updated_at = now(),
                finished_at = case when h.state = 'done' then now() end,
                attention = null, attention_at = null,
                lease_token = null, lease_expires_at = null, session_id = null
-          from unnest(v_ids, v_results, v_states) as h(id, result, state)
-         where t.id = h.id;
-        -- the run of each lease, as fleet._end_run closes it: the completions' entries in the
-        -- journal (fleet.journal)
+          from held h
+         where t.id = h.id
+    ), runs_done as (
         update fleet.runs r
            set outcome = 'done', ended_at = now(), end_id = nextval('fleet.events_id_seq'), end_state = h.state
-          from unnest(v_tokens, v_states) as h(token, state)
-         where r.lease_token = h.token and r.ended_at is null;
-    end if;
-
-    return query
+          from held h
+         where r.lease_token = h.token and r.ended_at is null
+    )
     select i.task_id,
-           case when h.ord is not null then v_states[h.ord]
-                when exists (select 1 from fleet.tasks t where t.id = i.task_id and fleet._lane_allowed(t.lane))
-                then 'lost'
-                else 'unknown' end
+           case when h.id is not null then h.state when k.id is not null then 'lost' else 'unknown' end
       from unnest(p_tasks) with ordinality as i(task_id, ord)
-      left join unnest(v_ids) with ordinality as h(id, ord) on h.id = i.task_id
+      left join held h on h.id = i.task_id
+      left join locked k on k.id = i.task_id
      order by i.ord;
 end
 $$;

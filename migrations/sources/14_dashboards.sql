@@ -29,8 +29,7 @@ as $$
      where e.ts >= p_since
     union all
     select t.journal_id, t.created_at, 'enqueued', coalesce(t.stages -> 0 ->> 'lane', t.lane), t.id, null::uuid,
-           jsonb_strip_nulls(jsonb_build_object('key', t.key, 'priority', t.priority, 'run_at', t.run_at,
-                                                'tier', t.tier, 'profile', t.profile))
+           jsonb_strip_nulls(jsonb_build_object('key', t.key, 'priority', t.priority, 'profile', t.profile))
       from fleet.tasks t
      where t.created_at >= p_since
     union all
@@ -54,8 +53,8 @@ create or replace view fleet.journal with (security_invoker = true) as
 select j.id, j.ts, j.kind, j.lane, j.task_id, j.session_id, j.detail from fleet.journal_since('-infinity') j;
 comment on view fleet.journal is
     'Every transition, in order (id): the events, and what the rows record once — a task''s creation '
-    '(enqueued: its key, priority, run_at, tier and profile as the task has them now), a claim''s run '
-    'start (claimed) and a completed run''s end (completed: the state the task went to).';
+    '(enqueued: its key, priority and profile, which never change), a claim''s run start (claimed) and '
+    'a completed run''s end (completed: the state the task went to).';
 comment on column fleet.journal.id is 'the entry''s position: one sequence orders every entry';
 comment on column fleet.journal.ts is 'when (the time of the transaction that wrote it)';
 comment on column fleet.journal.kind is 'what happened: enqueued, claimed, completed, or an event''s kind';
