@@ -81,7 +81,7 @@ as $$
         or r.long_ended_at >= p_since;
 $$;
 revoke all on function fleet._runs_ended_since(timestamp with time zone) from public;
-grant execute on function fleet._runs_ended_since(timestamp with time zone) to fleet_operator, service_role;
+grant execute on function fleet._runs_ended_since(timestamp with time zone) to fleet_operator, fleet_worker, service_role;
 
 -- The hours from p_from on: rolled up where they are, computed live after that.
 create or replace function fleet.lane_hours_since(p_from timestamptz)

@@ -32,6 +32,10 @@ as $$
            jsonb_strip_nulls(jsonb_build_object('key', t.key, 'priority', t.priority, 'profile', t.profile))
       from fleet.tasks t
      where t.created_at >= p_since
+       -- (a routed task's row is its lane's now: the lane it entered, where its creation is an
+       -- entry, is read as the row policies read a row's lane)
+       and ((select fleet._allowed_lanes()) is null
+            or coalesce(t.stages -> 0 ->> 'lane', t.lane) = any ((select fleet._allowed_lanes())::text[]))
     union all
     select r.start_id, r.started_at, 'claimed', r.lane, r.task_id, r.session_id,
            jsonb_strip_nulls(jsonb_build_object('attempt', r.attempt, 'tier', r.tier, 'profile', r.profile,
@@ -62,6 +66,7 @@ comment on column fleet.journal.lane is 'the lane it happened in';
 comment on column fleet.journal.task_id is 'the task (NULL: an event of a lane or a session)';
 comment on column fleet.journal.session_id is 'the shift''s session, where one took part';
 comment on column fleet.journal.detail is 'what the entry says besides';
+-- (a worker key reads it as it reads fleet.events and the rows it is made of: its lanes' rows)
 revoke all on fleet.journal from service_role;
 grant select on fleet.journal to fleet_operator, fleet_worker, service_role;
 create or replace trigger read_only instead of insert or update or delete on fleet.journal

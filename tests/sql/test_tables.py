@@ -86,6 +86,29 @@ def test_hot_table_settings(conn: psycopg.Connection) -> None:
         "(lane, priority DESC, carry_over DESC, run_at, id) WHERE (state = 'queued'::text)")
 
 
+def test_every_index_of_the_growing_tables_names_its_reader(conn: psycopg.Connection) -> None:
+    """An index costs every non-HOT update of its table an entry: each one says which query reads it
+    (its comment), and the run row's close changes none of them."""
+    got = rows(conn, """
+        select c.relname as tbl, i.relname as idx, obj_description(i.oid, 'pg_class') as note
+          from pg_index x join pg_class i on i.oid = x.indexrelid join pg_class c on c.oid = x.indrelid
+         where c.relnamespace = 'fleet'::regnamespace and c.relname in ('tasks', 'runs', 'events', 'sessions')""")
+    assert len(got) >= 25
+    unnamed = [(r["tbl"], r["idx"]) for r in got if not (r["note"] or "").startswith("read by: ")]
+    assert unnamed == []
+    # closing a run writes outcome, ended_at, end_id, end_state: in no index, key or predicate
+    indexed = {r[0] for r in conn.execute(r"""
+        select a.attname from pg_index x join pg_attribute a on a.attrelid = x.indrelid
+         where x.indrelid = 'fleet.runs'::regclass
+           and (a.attnum = any (x.indkey::int2[])
+                or pg_get_expr(x.indpred, x.indrelid) ~ ('\m' || a.attname || '\M'))""").fetchall()}
+    assert indexed.isdisjoint({"outcome", "ended_at", "end_id", "end_state", "input_tokens", "cost_usd"}), indexed
+    opts = one(conn, "select reloptions from pg_class where oid = 'fleet.runs'::regclass")
+    assert "fillfactor=80" in opts
+    assert one(conn, "select amname from pg_class c join pg_am a on a.oid = c.relam"
+                     " where c.oid = 'fleet.events_ts'::regclass") == "brin"
+
+
 def test_a_claim_and_a_heartbeat_update_the_session_in_place(lanes: psycopg.Connection) -> None:
     """Without an index on heartbeat_at, the session row's updates are HOT (no index entries)."""
     conn = lanes
