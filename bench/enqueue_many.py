@@ -1,5 +1,7 @@
 """What one fleet.enqueue_many call costs: N new tasks in one call, against a plain INSERT of the
-same rows (the floor: the table, its indexes and its triggers, no checks, no journal).
+same rows (the floor: the table, its indexes and its triggers, no checks, no journal), and that
+INSERT with an 'enqueued' event per task as enqueue_many writes it (the floor while the journal
+has them).
 
 ```bash
 uv run python -m bench.enqueue_many --tasks 1000 --tasks 10000 --reps 9
@@ -30,6 +32,10 @@ from bench.harness import DEFAULT_URL, log
 LANE = "bench"
 PLAIN = ("insert into fleet.tasks (lane, key, payload)"
          " select %s, x ->> 'key', x -> 'payload' from jsonb_array_elements(%s) x")
+PLAIN_EVENTS = ("with t as (" + PLAIN + " returning id, lane, key, priority, run_at)"
+                " insert into fleet.events (kind, lane, task_id, detail)"
+                " select 'enqueued', t.lane, t.id, jsonb_build_object('key', t.key, 'priority', t.priority,"
+                " 'run_at', t.run_at) from t order by t.id")
 
 
 def _db(server: str, name: str, migrations: Path | None) -> str:
@@ -87,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         calls = {f"enqueue_many, {label}": (url, "select id, created from fleet.enqueue_many(%s, %s)")
                  for label, url in urls.items()}
         calls["plain INSERT"] = (urls["this tree"], PLAIN)
+        calls["plain INSERT + events"] = (urls["this tree"], PLAIN_EVENTS)
         conns = {k: psycopg.connect(u, autocommit=True) for k, (u, _) in calls.items()}
         for n in sizes:
             wall: dict[str, list[float]] = {k: [] for k in calls}
@@ -101,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                         cpu[k].append(c)
             for k, xs in wall.items():
                 ms = sorted(x * 1000 for x in xs)
-                line = (f"{n:>6} tasks  {k:<24} wall median {statistics.median(ms):7.1f} ms"
+                line = (f"{n:>6} tasks  {k:<26} wall median {statistics.median(ms):7.1f} ms"
                         f" (min {ms[0]:.1f}, max {ms[-1]:.1f}; {n / statistics.median(xs):,.0f} tasks/s)")
                 if cpu[k]:
                     cs = sorted(x * 1000 for x in cpu[k])

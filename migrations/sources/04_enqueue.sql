@@ -174,7 +174,9 @@ declare
     v_fields constant text[] := array['key', 'lane', 'payload', 'title', 'priority', 'run_at',
                                       'delay_seconds', 'max_attempts', 'tier', 'profile',
                                       'max_cost_usd', 'max_tokens'];
-    -- (most batches name none of these: an element without them skips their checks)
+    -- (most elements name none of these: an element without them skips their checks)
+    v_optional constant text[] := array['title', 'priority', 'run_at', 'delay_seconds', 'max_attempts',
+                                        'tier', 'profile', 'max_cost_usd', 'max_tokens'];
     v_extras constant text[] := array['tier', 'profile', 'max_cost_usd', 'max_tokens'];
     v_allowed text[] := fleet._allowed_lanes();  -- NULL: every lane
     v_seq regclass := pg_catalog.pg_get_serial_sequence('fleet.tasks', 'id')::regclass;
@@ -256,6 +258,8 @@ begin
                            when coalesce(jsonb_typeof(e.t -> 'payload'), 'null') not in ('object', 'null') then 'payload'
                            when jsonb_typeof(e.t -> 'payload') = 'object'
                                 and octet_length((e.t -> 'payload')::text) > n.max_bytes then 'payload_size'
+                           -- (an element of key, lane and payload only, the most common, is done)
+                           when not (e.t ?| v_optional) then null
                            when coalesce(jsonb_typeof(e.t -> 'title'), 'null') not in ('string', 'null') then 'title'
                            when coalesce(jsonb_typeof(e.t -> 'priority'), 'null') not in ('number', 'null')
                                 then 'priority_type'
