@@ -10,6 +10,7 @@ compare it with what enqueue_task does to a twin task.
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import psycopg
@@ -552,6 +553,35 @@ def test_a_key_another_call_inserts_while_the_batch_waits_for_it(connect, outcom
     journal = rows(setup, "select task_id from fleet.events where kind = 'enqueued' order by id")
     assert [e["task_id"] for e in journal] == ([theirs] if outcome == "commit" else []) + made
 
+
+def test_concurrent_batches_of_overlapping_keys_make_one_task_per_key(db_url: str) -> None:
+    """Six calls at once, each the same 2,000 keys (and one of its own) in its own order: no deadlock
+    (the inserts take the key index in one order), every key one task, created by exactly one call,
+    journaled once; every call answers every element with that task."""
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("insert into fleet.lanes (name) values ('a')")
+    keys = [f"k:{i}" for i in range(2000)]
+
+    def work(c: psycopg.Connection, i: int) -> list[tuple[str, int, bool]]:
+        mine = [*keys, f"own:{i}"]
+        random.Random(i).shuffle(mine)
+        got = c.execute("select key, id, created from fleet.enqueue_many('a', %s) order by idx",
+                        (Jsonb([{"key": k} for k in mine]),)).fetchall()
+        assert [g[0] for g in got] == mine
+        return got
+
+    results = race(db_url, 6, work)
+    assert all(isinstance(r, list) for r in results), results
+    with psycopg.connect(db_url, autocommit=True) as c:
+        tasks = dict(c.execute("select key, id from fleet.tasks").fetchall())
+        journaled = c.execute("select count(*), count(distinct task_id) from fleet.events where kind = 'enqueued'").fetchone()
+    assert len(tasks) == 2006 and journaled == (2006, 2006)
+    created: dict[str, int] = {}
+    for got in results:
+        for key, task_id, made in got:
+            assert task_id == tasks[key], key
+            created[key] = created.get(key, 0) + made
+    assert created == dict.fromkeys(tasks, 1)
 
 def test_a_batch_that_comes_while_its_lane_is_retired_reads_it_retired(connect) -> None:
     """The lanes a batch names are locked FOR KEY SHARE in its one statement: it waits for a retire
