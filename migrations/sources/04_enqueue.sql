@@ -171,31 +171,29 @@ declare
     v_fields constant text[] := array['key', 'lane', 'payload', 'title', 'priority', 'run_at',
                                       'delay_seconds', 'max_attempts', 'tier', 'profile',
                                       'max_cost_usd', 'max_tokens'];
+    -- (most elements name none of these: an element without them skips their checks)
+    v_optional constant text[] := array['title', 'priority', 'run_at', 'delay_seconds', 'max_attempts',
+                                        'tier', 'profile', 'max_cost_usd', 'max_tokens'];
+    v_extras constant text[] := array['tier', 'profile', 'max_cost_usd', 'max_tokens'];
     v_allowed text[] := fleet._allowed_lanes();  -- NULL: every lane
-    v_bad record;
-    v_where text;
     v_seq regclass := pg_catalog.pg_get_serial_sequence('fleet.tasks', 'id')::regclass;
-    v_idx int[];
-    v_lane text[];
-    v_key text[];
-    v_title text[];
-    v_payload jsonb[];
-    v_priority int[];
-    v_run_at timestamptz[];
-    v_max int[];
-    v_tier text[];
-    v_profile text[];
-    v_max_cost numeric[];
-    v_max_tokens bigint[];
-    v_extra boolean;
-    v_small boolean;
-    v_new_ids bigint[];
-    v_new_lanes text[];
-    v_new_keys text[];
-    v_old_idx int[];
-    v_old_ids bigint[];
+    v_times boolean := true;  -- false: the pass again without the times, after one was no timestamp
+    v_state text;             -- (and that error)
+    v_error text;
+    v_bad int;                -- the first element enqueue_task would refuse, and why
+    v_problem text;
+    v_forbidden int;          -- the first whose key's task moved on to a lane not allowed for this key
+    v_inserted bigint;        -- how many new tasks the insert made
     v_lost int;
-    v_forbidden int;
+    v_ids bigint[];           -- per element, in input order: its task, its key, whether this call made it
+    v_keys text[];
+    v_created boolean[];
+    v_new bigint[];           -- the ids drawn for new tasks, in input order (a conflict used none)
+    v_t jsonb;                -- an element refused: it, its key, lane and first unknown field
+    v_key text;
+    v_lane text;
+    v_field text;
+    v_where text;
 begin
     if p_tasks is null or jsonb_typeof(p_tasks) <> 'array' then
         perform fleet._raise('LF005',
@@ -206,296 +204,318 @@ begin
         return;
     end if;
 
-    -- the lanes named, FOR KEY SHARE (as fleet._lane): a retire in flight is waited for, then read
-    perform 1 from fleet.lanes l
-     where l.name in (select coalesce(case when jsonb_typeof(x -> 'lane') = 'string' then x ->> 'lane' end, p_lane)
-                        from jsonb_array_elements(p_tasks) x)
-       for key share;
+    -- 1. One statement, one pass over the elements: each element's checks (the first that
+    --    enqueue_task would refuse, each check guarded so that a malformed element never makes a
+    --    later check raise a less helpful error), its key's task (fleet._key_holder, as a join),
+    --    and, when no element is refused, the insert of the new keys and every element's task.
+    --    Only a timestamp can still be malformed ('2030-13-45', a delay past the calendar): then
+    --    the pass runs again without the times, so that a refused element anywhere is named first,
+    --    and else the element with the bad time. (PostgreSQL's own words such as 'tomorrow' or
+    --    'infinity' are timestamps, as enqueue_task takes them.)
+    <<pass>>
+    loop
+        begin
+            with e as materialized (
+                select (x.ord - 1)::int as idx, x.t,
+                       case when jsonb_typeof(x.t -> 'key') = 'string' then x.t ->> 'key' end as key,
+                       coalesce(case when jsonb_typeof(x.t -> 'lane') = 'string' then x.t ->> 'lane' end,
+                                p_lane) as lane
+                  from jsonb_array_elements(p_tasks) with ordinality x(t, ord)
+            ), named as materialized (
+                -- the lanes named, FOR KEY SHARE (as fleet._lane): a retire in flight is waited
+                -- for, and the rows read are what it left
+                select l.name, l.retired_at is not null as retired, fleet._max_payload_bytes(l) as max_bytes,
+                       fleet._tiers(l) as tiers,
+                       case when v_allowed is not null then array(select fleet._lane_profiles(l.name)) end
+                           as profiles
+                  from fleet.lanes l
+                 where l.name in (select e.lane from e)
+                   for key share of l
+            ), c as materialized (
+                select e.idx, e.t, e.key, e.lane, coalesce(h.here, h.moved) as holder,
+                       case when h.here is not null then e.lane
+                            when h.moved is not null then (select t.lane from fleet.tasks t where t.id = h.moved)
+                       end as holder_lane,
+                       case when v_times then
+                           case when jsonb_typeof(e.t -> 'run_at') = 'string' then (e.t ->> 'run_at')::timestamptz
+                                when jsonb_typeof(e.t -> 'delay_seconds') = 'number'
+                                    then now() + make_interval(secs => (e.t ->> 'delay_seconds')::double precision)
+                                else now() end
+                       end as run_at,
+                       case
+                           when jsonb_typeof(e.t) <> 'object' then 'not_object'
+                           when e.t - v_fields <> '{}' then 'unknown_field'
+                           when e.key is null then 'key_type'
+                           when coalesce(jsonb_typeof(e.t -> 'lane'), 'null') not in ('string', 'null') then 'lane_type'
+                           when e.lane is null then 'no_lane'
+                           when not (v_allowed is null or e.lane = any (v_allowed)) then 'lane_forbidden'
+                           when length(e.key) not between 1 and 200 then 'key_length'
+                           when n.name is null then 'lane_unknown'
+                           when n.retired then 'lane_retired'
+                           when coalesce(jsonb_typeof(e.t -> 'payload'), 'null') not in ('object', 'null') then 'payload'
+                           when jsonb_typeof(e.t -> 'payload') = 'object'
+                                and octet_length((e.t -> 'payload')::text) > n.max_bytes then 'payload_size'
+                           -- (an element of key, lane and payload only, the most common, is done)
+                           when not (e.t ?| v_optional) then null
+                           when coalesce(jsonb_typeof(e.t -> 'title'), 'null') not in ('string', 'null') then 'title'
+                           when coalesce(jsonb_typeof(e.t -> 'priority'), 'null') not in ('number', 'null')
+                                then 'priority_type'
+                           when jsonb_typeof(e.t -> 'priority') = 'number'
+                                and ((e.t ->> 'priority')::numeric not between 0 and 1000
+                                     or (e.t ->> 'priority')::numeric % 1 <> 0) then 'priority'
+                           when coalesce(jsonb_typeof(e.t -> 'run_at'), 'null') not in ('string', 'null')
+                                then 'run_at_type'
+                           when coalesce(jsonb_typeof(e.t -> 'delay_seconds'), 'null') not in ('number', 'null')
+                                then 'delay_type'
+                           when jsonb_typeof(e.t -> 'run_at') = 'string' and jsonb_typeof(e.t -> 'delay_seconds') = 'number'
+                                then 'run_at_and_delay'
+                           when coalesce(jsonb_typeof(e.t -> 'max_attempts'), 'null') not in ('number', 'null')
+                                then 'max_attempts_type'
+                           when jsonb_typeof(e.t -> 'max_attempts') = 'number'
+                                and ((e.t ->> 'max_attempts')::numeric not between 1 and 2147483647
+                                     or (e.t ->> 'max_attempts')::numeric % 1 <> 0) then 'max_attempts'
+                           when not (e.t ?| v_extras) then null
+                           when coalesce(jsonb_typeof(e.t -> 'tier'), 'null') not in ('string', 'null') then 'tier_type'
+                           when jsonb_typeof(e.t -> 'tier') = 'string' and not ((e.t ->> 'tier') = any (n.tiers))
+                                then 'tier'
+                           when coalesce(jsonb_typeof(e.t -> 'profile'), 'null') not in ('string', 'null')
+                                then 'profile_type'
+                           -- (fleet._profile_known: any profile for a caller of every lane, else one
+                           -- of the lane's, which the caller may work by now)
+                           when jsonb_typeof(e.t -> 'profile') = 'string'
+                                and not (case when v_allowed is null
+                                              then (e.t ->> 'profile') in (select p.name from fleet.profiles p)
+                                              else (e.t ->> 'profile') = any (n.profiles) end) then 'profile'
+                           when coalesce(jsonb_typeof(e.t -> 'max_cost_usd'), 'null') not in ('number', 'null')
+                                then 'max_cost_type'
+                           -- (as the column stores it, to the microdollar)
+                           when round((e.t ->> 'max_cost_usd')::numeric, 6) <= 0
+                                or round((e.t ->> 'max_cost_usd')::numeric, 6) >= 1e8
+                                then 'max_cost'
+                           when coalesce(jsonb_typeof(e.t -> 'max_tokens'), 'null') not in ('number', 'null')
+                                then 'max_tokens_type'
+                           when jsonb_typeof(e.t -> 'max_tokens') = 'number'
+                                and ((e.t ->> 'max_tokens')::numeric not between 1 and 9223372036854775807
+                                     or (e.t ->> 'max_tokens')::numeric % 1 <> 0) then 'max_tokens'
+                       end as problem
+                  from e
+                  left join named n on n.name = e.lane
+                  -- the key's task in the lane, else the first that was in it and moved on
+                  -- (fleet._key_holder)
+                  left join lateral (
+                      select min(t.id) filter (where t.lane = e.lane) as here, min(t.id) as moved
+                        from fleet.tasks t
+                       where t.key = e.key
+                         and (t.lane = e.lane or t.stages @> jsonb_build_array(jsonb_build_object('lane', e.lane)))
+                  ) h on true
+            ), fresh as materialized (
+                -- each element in input order, and the id of its new task when its key names no
+                -- task yet (none when an element is refused): drawn in input order (the
+                -- subquery's ORDER BY is the order nextval runs in, and the order of this CTE's
+                -- rows, which the aggregates below keep)
+                select s.*,
+                       case when s.holder is null and v_times
+                                 and not exists (select 1 from c where c.problem is not null)
+                            then nextval(v_seq) end as new_id,
+                       -- (and its position in the journal: fleet.journal)
+                       case when s.holder is null and v_times
+                                 and not exists (select 1 from c where c.problem is not null)
+                            then nextval('fleet.events_id_seq') end as journal_id
+                  from (select * from c order by c.idx) s
+                 order by s.idx
+            ), ins as (
+                -- in the lock order of the key index (key, lane), the first element of a (lane, key)
+                -- first: the others of the batch conflict with it (as a key another call took
+                -- while this waited for it does) and make no task
+                insert into fleet.tasks as t (id, journal_id, lane, key, title, payload, priority, run_at,
+                                              max_attempts, tier, profile, max_cost_usd, max_tokens)
+                overriding system value
+                select f.new_id, f.journal_id, f.lane, f.key, f.t ->> 'title',
+                       case when jsonb_typeof(f.t -> 'payload') = 'object' then f.t -> 'payload' else '{}' end,
+                       coalesce((f.t ->> 'priority')::numeric::int, 0), f.run_at,
+                       (f.t ->> 'max_attempts')::numeric::int, f.t ->> 'tier', f.t ->> 'profile',
+                       (f.t ->> 'max_cost_usd')::numeric, (f.t ->> 'max_tokens')::numeric::bigint
+                  from fresh f
+                 where f.new_id is not null
+                 order by f.key, f.lane, f.idx
+                on conflict (key, lane) do nothing
+                returning 1
+            )
+            select min(f.idx) filter (where f.problem is not null),
+                   (array_agg(f.problem) filter (where f.problem is not null))[1],
+                   min(f.idx) filter (where not (v_allowed is null or f.holder_lane = any (v_allowed))),
+                   (select count(*) from ins),
+                   array_agg(coalesce(f.holder, f.new_id)),
+                   array_agg(f.key),
+                   array_agg(f.new_id is not null),
+                   coalesce(array_agg(f.new_id) filter (where f.new_id is not null), '{}')
+              into v_bad, v_problem, v_forbidden, v_inserted, v_ids, v_keys, v_created, v_new
+              from fresh f;
+            exit pass;
+        exception when data_exception then
+            if not v_times then
+                raise;
+            end if;
+            get stacked diagnostics v_state = returned_sqlstate, v_error = message_text;
+            v_times := false;
+        end;
+    end loop;
 
-    -- is the whole array within the smallest payload cap of any lane? (then no payload is past its
-    -- lane's: the check per element is skipped)
-    v_small := octet_length(p_tasks::text) <= (select min(fleet._max_payload_bytes(l)) from fleet.lanes l);
-
-    -- does any task name a tier, a profile or a budget?
-    v_extra := jsonb_path_exists(p_tasks, '$[*] ? (exists(@.tier) || exists(@.profile) || exists(@.max_cost_usd)'
-                                          ' || exists(@.max_tokens))');
-
-    -- 1. the first element that enqueue_task would refuse, and why (each check guarded, so a
-    --    malformed element never makes a later check raise a less helpful error)
-    select b.* into v_bad
-      from (
-        select e.idx, e.key, e.lane, e.field, e.detail,
-               case
-                   when jsonb_typeof(e.t) <> 'object' then 'not_object'
-                   when e.field is not null then 'unknown_field'
-                   when jsonb_typeof(e.t -> 'key') is distinct from 'string' then 'key_type'
-                   when coalesce(jsonb_typeof(e.t -> 'lane'), 'null') not in ('string', 'null') then 'lane_type'
-                   when e.lane is null then 'no_lane'
-                   when not (v_allowed is null or e.lane = any (v_allowed)) then 'lane_forbidden'
-                   when length(e.key) not between 1 and 200 then 'key_length'
-                   when not exists (select 1 from fleet.lanes l where l.name = e.lane) then 'lane_unknown'
-                   when exists (select 1 from fleet.lanes l where l.name = e.lane and l.retired_at is not null)
-                        then 'lane_retired'
-                   when coalesce(jsonb_typeof(e.t -> 'payload'), 'null') not in ('object', 'null') then 'payload'
-                   when not v_small and jsonb_typeof(e.t -> 'payload') = 'object'
-                        and octet_length((e.t -> 'payload')::text)
-                            > (select fleet._max_payload_bytes(l) from fleet.lanes l where l.name = e.lane)
-                        then 'payload_size'
-                   when coalesce(jsonb_typeof(e.t -> 'title'), 'null') not in ('string', 'null') then 'title'
-                   when coalesce(jsonb_typeof(e.t -> 'priority'), 'null') not in ('number', 'null') then 'priority_type'
-                   when jsonb_typeof(e.t -> 'priority') = 'number'
-                        and ((e.t ->> 'priority')::numeric not between 0 and 1000
-                             or (e.t ->> 'priority')::numeric % 1 <> 0) then 'priority'
-                   when coalesce(jsonb_typeof(e.t -> 'run_at'), 'null') not in ('string', 'null') then 'run_at_type'
-                   when coalesce(jsonb_typeof(e.t -> 'delay_seconds'), 'null') not in ('number', 'null')
-                        then 'delay_type'
-                   when jsonb_typeof(e.t -> 'run_at') = 'string' and jsonb_typeof(e.t -> 'delay_seconds') = 'number'
-                        then 'run_at_and_delay'
-                   when coalesce(jsonb_typeof(e.t -> 'max_attempts'), 'null') not in ('number', 'null')
-                        then 'max_attempts_type'
-                   when jsonb_typeof(e.t -> 'max_attempts') = 'number'
-                        and ((e.t ->> 'max_attempts')::numeric not between 1 and 2147483647
-                             or (e.t ->> 'max_attempts')::numeric % 1 <> 0) then 'max_attempts'
-                   -- (most batches name none of the four fields below: then they are skipped)
-                   when not v_extra then null
-                   when coalesce(jsonb_typeof(e.t -> 'tier'), 'null') not in ('string', 'null') then 'tier_type'
-                   when jsonb_typeof(e.t -> 'tier') = 'string'
-                        and not ((e.t ->> 'tier') = any (fleet._tiers((select l from fleet.lanes l where l.name = e.lane))))
-                        then 'tier'
-                   when coalesce(jsonb_typeof(e.t -> 'profile'), 'null') not in ('string', 'null') then 'profile_type'
-                   when jsonb_typeof(e.t -> 'profile') = 'string'
-                        and not fleet._profile_known(e.lane, e.t ->> 'profile') then 'profile'
-                   when coalesce(jsonb_typeof(e.t -> 'max_cost_usd'), 'null') not in ('number', 'null')
-                        then 'max_cost_type'
-                   -- (as the column stores it, to the microdollar)
-                   when round((e.t ->> 'max_cost_usd')::numeric, 6) <= 0
-                        or round((e.t ->> 'max_cost_usd')::numeric, 6) >= 1e8
-                        then 'max_cost'
-                   when coalesce(jsonb_typeof(e.t -> 'max_tokens'), 'null') not in ('number', 'null')
-                        then 'max_tokens_type'
-                   when jsonb_typeof(e.t -> 'max_tokens') = 'number'
-                        and ((e.t ->> 'max_tokens')::numeric not between 1 and 9223372036854775807
-                             or (e.t ->> 'max_tokens')::numeric % 1 <> 0) then 'max_tokens'
-               end as problem
-          from (
-            select (x.ord - 1)::int as idx, x.t,
-                   case when jsonb_typeof(x.t -> 'key') = 'string' then x.t ->> 'key' end as key,
-                   coalesce(case when jsonb_typeof(x.t -> 'lane') = 'string' then x.t ->> 'lane' end,
-                            p_lane) as lane,
-                   case when jsonb_typeof(x.t) = 'object'
-                        then (select k from jsonb_object_keys(x.t) k where k <> all (v_fields) order by k limit 1)
-                   end as field,
-                   case when jsonb_typeof(x.t) = 'object' then x.t else null end as detail
-              from jsonb_array_elements(p_tasks) with ordinality x(t, ord)
-          ) e
-      ) b
-     where b.problem is not null
-     order by b.idx
-     limit 1;
-
-    if found then
-        v_where := format('p_tasks[%s]', v_bad.idx)
-                   || case when v_bad.key is not null then format(' (key %L)', left(v_bad.key, 100)) else '' end
+    if v_bad is not null then
+        v_t := p_tasks -> v_bad;
+        v_key := case when jsonb_typeof(v_t -> 'key') = 'string' then v_t ->> 'key' end;
+        v_lane := coalesce(case when jsonb_typeof(v_t -> 'lane') = 'string' then v_t ->> 'lane' end, p_lane);
+        v_field := (select k from jsonb_object_keys(case when jsonb_typeof(v_t) = 'object' then v_t end) k
+                     where k <> all (v_fields) order by k limit 1);
+        v_where := format('p_tasks[%s]', v_bad)
+                   || case when v_key is not null then format(' (key %L)', left(v_key, 100)) else '' end
                    || ': ';
-        case v_bad.problem
+        case v_problem
         when 'not_object' then
             perform fleet._raise('LF005', v_where || format('a task must be a JSON object, not a JSON %s',
-                jsonb_typeof(p_tasks -> v_bad.idx)));
+                jsonb_typeof(p_tasks -> v_bad)));
         when 'unknown_field' then
-            perform fleet._raise('LF005', v_where || format('unknown field %L', left(v_bad.field, 100)),
+            perform fleet._raise('LF005', v_where || format('unknown field %L', left(v_field, 100)),
                 'known: ' || array_to_string(v_fields, ', '));
         when 'key_type' then
             perform fleet._raise('LF005', v_where || 'a task needs a key, a string of 1 to 200 characters');
         when 'lane_type' then
             perform fleet._raise('LF005', v_where || format('lane must be a string, not a JSON %s',
-                jsonb_typeof(v_bad.detail -> 'lane')));
+                jsonb_typeof(v_t -> 'lane')));
         when 'no_lane' then
             perform fleet._raise('LF005', v_where || 'no lane: give p_lane, or a string "lane" in the task');
         when 'lane_forbidden' then
             perform fleet._raise('LF008', v_where || format('lane %L is not allowed for this key',
-                left(v_bad.lane, 100)),
+                left(v_lane, 100)),
                 'the key''s fleet_lanes claim lists the lanes it may work; mint one with `fleet keys mint --lane`');
         when 'key_length' then
             perform fleet._raise('LF005', v_where || 'task key must be 1 to 200 characters');
         when 'lane_unknown' then
-            perform fleet._raise('LF002', v_where || format('unknown lane %L', left(v_bad.lane, 100)),
+            perform fleet._raise('LF002', v_where || format('unknown lane %L', left(v_lane, 100)),
                 fleet._lanes_hint());
         when 'lane_retired' then
-            perform fleet._raise('LF009', v_where || format('lane %s is retired: it takes no tasks', v_bad.lane),
-                format('`fleet lanes unretire %s` brings it back', v_bad.lane));
+            perform fleet._raise('LF009', v_where || format('lane %s is retired: it takes no tasks', v_lane),
+                format('`fleet lanes unretire %s` brings it back', v_lane));
         when 'payload' then
             perform fleet._raise('LF005', v_where || format('payload must be a JSON object, not a JSON %s',
-                jsonb_typeof(v_bad.detail -> 'payload')));
+                jsonb_typeof(v_t -> 'payload')));
         when 'payload_size' then
             perform fleet._raise('LF005', v_where || format('payload is %s bytes, more than lane %s''s max_payload_bytes of %s',
-                octet_length((v_bad.detail -> 'payload')::text), v_bad.lane,
-                (select fleet._max_payload_bytes(l) from fleet.lanes l where l.name = v_bad.lane)),
+                octet_length((v_t -> 'payload')::text), v_lane,
+                (select fleet._max_payload_bytes(l) from fleet.lanes l where l.name = v_lane)),
                 'keep large inputs elsewhere (a file, a URL) and name them in the payload, or raise the lane''s '
                 'max_payload_bytes in fleet.toml');
         when 'title' then
             perform fleet._raise('LF005', v_where || format('title must be a string, not a JSON %s',
-                jsonb_typeof(v_bad.detail -> 'title')));
+                jsonb_typeof(v_t -> 'title')));
         when 'priority_type' then
             perform fleet._raise('LF005', v_where || format('priority must be an integer between 0 and 1000, not a JSON %s',
-                jsonb_typeof(v_bad.detail -> 'priority')), 'higher runs first; the default is 0');
+                jsonb_typeof(v_t -> 'priority')), 'higher runs first; the default is 0');
         when 'priority' then
             perform fleet._raise('LF005', v_where || format('priority must be an integer between 0 and 1000, not %s',
-                left(v_bad.detail ->> 'priority', 40)), 'higher runs first; the default is 0');
+                left(v_t ->> 'priority', 40)), 'higher runs first; the default is 0');
         when 'run_at_type' then
             perform fleet._raise('LF005', v_where || format('run_at must be a timestamp string, not a JSON %s',
-                jsonb_typeof(v_bad.detail -> 'run_at')));
+                jsonb_typeof(v_t -> 'run_at')));
         when 'delay_type' then
             perform fleet._raise('LF005', v_where || format('delay_seconds must be a number, not a JSON %s',
-                jsonb_typeof(v_bad.detail -> 'delay_seconds')));
+                jsonb_typeof(v_t -> 'delay_seconds')));
         when 'run_at_and_delay' then
             perform fleet._raise('LF005', v_where || 'give run_at or delay_seconds, not both');
         when 'max_attempts_type' then
             perform fleet._raise('LF005', v_where || format('max_attempts must be an integer of at least 1, not a JSON %s',
-                jsonb_typeof(v_bad.detail -> 'max_attempts')));
+                jsonb_typeof(v_t -> 'max_attempts')));
         when 'max_attempts' then
             perform fleet._raise('LF005', v_where || format('max_attempts must be an integer of at least 1, not %s',
-                left(v_bad.detail ->> 'max_attempts', 40)));
+                left(v_t ->> 'max_attempts', 40)));
         when 'tier_type' then
             perform fleet._raise('LF005', v_where || format('tier must be a string, not a JSON %s',
-                jsonb_typeof(v_bad.detail -> 'tier')));
+                jsonb_typeof(v_t -> 'tier')));
         when 'tier' then
-            perform fleet._raise('LF005', v_where || format('lane %s has no tier %L', v_bad.lane,
-                left(v_bad.detail ->> 'tier', 100)),
+            perform fleet._raise('LF005', v_where || format('lane %s has no tier %L', v_lane,
+                left(v_t ->> 'tier', 100)),
                 (select case when cardinality(fleet._tiers(l)) = 0 then 'the lane names no tiers'
                              else 'its tiers, lowest first: ' || array_to_string(fleet._tiers(l), ', ') end
-                   from fleet.lanes l where l.name = v_bad.lane));
+                   from fleet.lanes l where l.name = v_lane));
         when 'profile_type' then
             perform fleet._raise('LF005', v_where || format('profile must be a string, not a JSON %s',
-                jsonb_typeof(v_bad.detail -> 'profile')));
+                jsonb_typeof(v_t -> 'profile')));
         when 'profile' then
-            perform fleet._raise('LF005', v_where || format('unknown profile %L', left(v_bad.detail ->> 'profile', 100)),
-                fleet._profiles_hint(v_bad.lane));
+            perform fleet._raise('LF005', v_where || format('unknown profile %L', left(v_t ->> 'profile', 100)),
+                fleet._profiles_hint(v_lane));
         when 'max_cost_type' then
             perform fleet._raise('LF005', v_where || format('max_cost_usd must be a number, not a JSON %s',
-                jsonb_typeof(v_bad.detail -> 'max_cost_usd')));
+                jsonb_typeof(v_t -> 'max_cost_usd')));
         when 'max_cost' then
             perform fleet._raise('LF005', v_where || format('max_cost_usd must be at least 0.000001 and below 100,000,000, not %s',
-                left(v_bad.detail ->> 'max_cost_usd', 40)), 'a task budget must be positive');
+                left(v_t ->> 'max_cost_usd', 40)), 'a task budget must be positive');
         when 'max_tokens_type' then
             perform fleet._raise('LF005', v_where || format('max_tokens must be an integer, not a JSON %s',
-                jsonb_typeof(v_bad.detail -> 'max_tokens')));
+                jsonb_typeof(v_t -> 'max_tokens')));
         else  -- 'max_tokens'
             perform fleet._raise('LF005', v_where || format('max_tokens must be an integer of at least 1, not %s',
-                left(v_bad.detail ->> 'max_tokens', 40)), 'a task budget must be positive');
+                left(v_t ->> 'max_tokens', 40)), 'a task budget must be positive');
         end case;
     end if;
-
-    -- 2. the typed values. Only a timestamp can still be malformed ('2030-13-45', a delay past
-    --    the calendar): then find which element, and say so. (PostgreSQL's own words such as
-    --    'tomorrow' or 'infinity' are timestamps, as enqueue_task takes them.)
-    begin
-        select array_agg((x.ord - 1)::int order by x.ord),
-               array_agg(coalesce(case when jsonb_typeof(x.t -> 'lane') = 'string' then x.t ->> 'lane' end, p_lane)
-                         order by x.ord),
-               array_agg(x.t ->> 'key' order by x.ord),
-               array_agg(x.t ->> 'title' order by x.ord),
-               array_agg(case when jsonb_typeof(x.t -> 'payload') = 'object' then x.t -> 'payload' else '{}' end
-                         order by x.ord),
-               array_agg(coalesce((x.t ->> 'priority')::numeric::int, 0) order by x.ord),
-               array_agg(coalesce((x.t ->> 'run_at')::timestamptz,
-                                  now() + make_interval(secs => coalesce((x.t ->> 'delay_seconds')::double precision, 0)))
-                         order by x.ord),
-               array_agg((x.t ->> 'max_attempts')::numeric::int order by x.ord)
-          into v_idx, v_lane, v_key, v_title, v_payload, v_priority, v_run_at, v_max
-          from jsonb_array_elements(p_tasks) with ordinality x(t, ord);
-    exception when data_exception then
-        for v_bad in select (x.ord - 1)::int as idx, x.t from jsonb_array_elements(p_tasks) with ordinality x(t, ord)
-                      order by x.ord
+    if not v_times then  -- no element refused: the first whose time is no time
+        for v_bad, v_t in select (x.ord - 1)::int, x.t from jsonb_array_elements(p_tasks) with ordinality x(t, ord)
+                           order by x.ord
         loop
             begin
-                perform coalesce((v_bad.t ->> 'run_at')::timestamptz,
-                                 now() + make_interval(secs => coalesce((v_bad.t ->> 'delay_seconds')::double precision, 0)));
+                perform coalesce((v_t ->> 'run_at')::timestamptz,
+                                 now() + make_interval(secs => coalesce((v_t ->> 'delay_seconds')::double precision, 0)));
             exception when data_exception then
-                perform fleet._raise('LF005', format('p_tasks[%s] (key %L): ', v_bad.idx, left(v_bad.t ->> 'key', 100))
-                    || case when v_bad.t ? 'run_at' and jsonb_typeof(v_bad.t -> 'run_at') = 'string'
-                            then format('run_at %L is not a timestamp: %s', left(v_bad.t ->> 'run_at', 100), sqlerrm)
-                            else format('delay_seconds %s is out of range: %s', left(v_bad.t ->> 'delay_seconds', 40), sqlerrm) end,
+                perform fleet._raise('LF005', format('p_tasks[%s] (key %L): ', v_bad, left(v_t ->> 'key', 100))
+                    || case when v_t ? 'run_at' and jsonb_typeof(v_t -> 'run_at') = 'string'
+                            then format('run_at %L is not a timestamp: %s', left(v_t ->> 'run_at', 100), sqlerrm)
+                            else format('delay_seconds %s is out of range: %s', left(v_t ->> 'delay_seconds', 40), sqlerrm) end,
                     'run_at: an ISO 8601 time with a zone, e.g. 2030-01-02T03:04:05Z; delay_seconds: seconds from now');
             end;
         end loop;
-        raise;  -- not a timestamp after all: the original error
-    end;
-    -- the tier, profile and budget of each task, when any task names one (NULL arrays otherwise:
-    -- unnest pads them with NULLs below)
-    if v_extra then
-        select array_agg(x.t ->> 'tier' order by x.ord),
-               array_agg(x.t ->> 'profile' order by x.ord),
-               array_agg((x.t ->> 'max_cost_usd')::numeric order by x.ord),
-               array_agg((x.t ->> 'max_tokens')::numeric::bigint order by x.ord)
-          into v_tier, v_profile, v_max_cost, v_max_tokens
-          from jsonb_array_elements(p_tasks) with ordinality x(t, ord);
+        raise exception using errcode = v_state, message = v_error;  -- not a timestamp after all
     end if;
 
-    -- 3. insert the new keys: the first element of each (lane, key) that names no task yet
-    --    (fleet._key_holder: the task in the lane, or one that was in it and moved on)
-    with item as (
-        select u.* from unnest(v_idx, v_lane, v_key, v_title, v_payload, v_priority, v_run_at, v_max,
-                               v_tier, v_profile, v_max_cost, v_max_tokens)
-                        as u(idx, lane, key, title, payload, priority, run_at, max_attempts,
-                             tier, profile, max_cost_usd, max_tokens)
-    ), firsts as (
-        select distinct on (i.lane, i.key) i.* from item i
-         where not exists (select 1 from fleet._key_holder(i.lane, i.key))
-         order by i.lane, i.key, i.idx
-    ), numbered as materialized (
-        -- ids and journal positions drawn in input order (the subquery's ORDER BY is the order
-        -- nextval runs in)
-        select f.*, nextval(v_seq) as new_id, nextval('fleet.events_id_seq') as journal_id
-          from (select * from firsts order by firsts.idx) f
-    ), ins as (
-        insert into fleet.tasks as t (id, journal_id, lane, key, title, payload, priority, run_at, max_attempts,
-                                      tier, profile, max_cost_usd, max_tokens)
-        overriding system value
-        select n.new_id, n.journal_id, n.lane, n.key, n.title, n.payload, n.priority, n.run_at, n.max_attempts,
-               n.tier, n.profile, n.max_cost_usd, n.max_tokens
-          from numbered n
-         order by n.key, n.lane  -- the lock order on the key index (key, lane)
-        on conflict (key, lane) do nothing
-        returning t.id, t.lane, t.key
-    )
-    select coalesce(array_agg(ins.id), '{}'), coalesce(array_agg(ins.lane), '{}'), coalesce(array_agg(ins.key), '{}')
-      into v_new_ids, v_new_lanes, v_new_keys from ins;
-
-    -- 4. the keys that named a task already (or were inserted by another call while the insert
-    --    waited for it: a statement of its own, whose snapshot sees them, as enqueue_task does):
-    --    their task, and the first whose task was routed on to a lane this caller may not work
-    --    is refused as enqueue_task refuses it
-    select array_agg(e.idx order by e.idx), array_agg(h.id order by e.idx),
-           min(e.idx) filter (where h.id is null),
-           min(e.idx) filter (where not (v_allowed is null or h.lane = any (v_allowed)))
-      into v_old_idx, v_old_ids, v_lost, v_forbidden
-      from (select e.* from unnest(v_idx, v_lane, v_key) as e(idx, lane, key)
-             where not exists (select 1 from unnest(v_new_lanes, v_new_keys) as n(lane, key)
-                                where n.lane = e.lane and n.key = e.key)) e
-      left join lateral fleet._key_holder(e.lane, e.key) h on true;
-    if v_lost is not null then  -- (as in enqueue_task: never seen)
+    -- 2. the elements whose insert conflicted: with an element before them of the same (lane,
+    --    key), or with a key another call inserted while the insert waited for it. Their task (a
+    --    statement of its own, whose snapshot sees what the other call inserted, as enqueue_task
+    --    does), or never seen.
+    if v_inserted < cardinality(v_new) then
+        select array_agg(case when not r.created or t.id is not null then r.id else h.id end order by r.ord),
+               array_agg(r.created and t.id is not null order by r.ord),
+               min(r.ord - 1) filter (where r.created and t.id is null and h.id is null),
+               least(v_forbidden, min(r.ord - 1) filter (where r.created and t.id is null
+                                                           and not (v_allowed is null or h.lane = any (v_allowed))))
+          into v_ids, v_created, v_lost, v_forbidden
+          from unnest(v_ids, v_keys, v_created) with ordinality r(id, key, created, ord)
+          left join fleet.tasks t on r.created and t.id = r.id
+          left join lateral (
+              select k.id, k.lane
+                from fleet._key_holder(coalesce(case when jsonb_typeof(p_tasks -> (r.ord::int - 1) -> 'lane') = 'string'
+                                                     then p_tasks -> (r.ord::int - 1) ->> 'lane' end, p_lane), r.key) k
+               where r.created and t.id is null) h on true;
+    end if;
+    if v_lost is not null then
         raise exception using errcode = 'serialization_failure',
             message = format('p_tasks[%s] (key %L): the key changed hands during this enqueue; try again',
-                             v_lost, left(v_key[v_lost + 1], 100));
+                             v_lost, left(v_keys[v_lost + 1], 100));
     end if;
+    -- the first whose key's task was routed on to a lane this caller may not work is refused as
+    -- enqueue_task refuses it
     if v_forbidden is not null then
+        v_t := p_tasks -> v_forbidden;
         perform fleet._raise('LF008', format('p_tasks[%s] (key %L): the key''s task of lane %s has moved on to a lane '
                                              'not allowed for this key',
-            v_forbidden, left(v_key[v_forbidden + 1], 100), v_lane[v_forbidden + 1]),
+            v_forbidden, left(v_keys[v_forbidden + 1], 100),
+            coalesce(case when jsonb_typeof(v_t -> 'lane') = 'string' then v_t ->> 'lane' end, p_lane)),
             'a key names one task in each lane, and a routed task keeps its key in the lanes it left');
     end if;
 
-    -- 5. every element: its task, and whether this call created it (only the first element of a
+    -- 3. every element: its task, and whether this call created it (only the first element of a
     --    new (lane, key))
     return query
-    select i.idx, coalesce(n.id, o.id), i.key, n.id is not null and i.idx = f.idx
-      from unnest(v_idx, v_lane, v_key) as i(idx, lane, key)
-      join (select j.lane, j.key, min(j.idx) as idx from unnest(v_idx, v_lane, v_key) as j(idx, lane, key)
-             group by j.lane, j.key) f
-        on f.lane = i.lane and f.key = i.key
-      left join unnest(v_new_ids, v_new_lanes, v_new_keys) as n(id, lane, key) on n.lane = i.lane and n.key = i.key
-      left join unnest(v_old_idx, v_old_ids) as o(idx, id) on o.idx = i.idx
-     order by i.idx;
+    select (r.ord - 1)::int, r.id, r.key, r.created
+      from unnest(v_ids, v_keys, v_created) with ordinality r(id, key, created, ord)
+     order by r.ord;
 end
 $$;
 comment on function fleet.enqueue_many is

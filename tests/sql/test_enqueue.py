@@ -10,6 +10,7 @@ compare it with what enqueue_task does to a twin task.
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import psycopg
@@ -18,7 +19,9 @@ from psycopg.types.json import Jsonb
 from sqlkit import (
     INVALID_ARGUMENT,
     LANE_NOT_ALLOWED,
+    LANE_RETIRED,
     UNKNOWN_LANE,
+    Call,
     add_lane,
     as_key,
     claim,
@@ -35,7 +38,9 @@ from sqlkit import (
     refused,
     route,
     rows,
+    sync_lane,
     task,
+    wait_until_waiting,
     world,
 )
 
@@ -361,6 +366,72 @@ def test_an_existing_key_keeps_its_task(lanes: psycopg.Connection) -> None:
     assert (task(conn, other["id"])["lane"], task(conn, other["id"])["payload"]) == ("docs", {"v": 2})
 
 
+
+def test_a_batch_of_new_repeated_existing_and_routed_keys(conn, lane, session) -> None:
+    """Each element as enqueue_task answers it: the key of a routed task, in the lane it left and in
+    the one it went to, answers with that task (nothing written to it); an existing key with its
+    task; a key repeated in the batch with the task of its first element; new tasks numbered and
+    journaled in input order."""
+    add_lane(conn, "b")
+    routed = enqueue(conn, lane, "issue:7")
+    assert route(conn, routed, claim_one(conn, session)["lease_token"], "b") == "queued"
+    old, _ = enqueue_task(conn, "b", "old")
+    before = task(conn, routed)
+    got = enqueue_many(conn, "a", [{"key": "new:1"}, {"key": "issue:7"}, {"key": "new:2", "lane": "b"},
+                                   {"key": "issue:7", "lane": "b"}, {"key": "old", "lane": "b"},
+                                   {"key": "new:1"}, {"key": "old"}, {"key": "new:0"}])
+    assert [(r["idx"], r["key"], r["created"]) for r in got] == [
+        (0, "new:1", True), (1, "issue:7", False), (2, "new:2", True), (3, "issue:7", False),
+        (4, "old", False), (5, "new:1", False), (6, "old", True), (7, "new:0", True)]
+    ids = [r["id"] for r in got]
+    assert ids[1] == ids[3] == routed and ids[4] == old and ids[5] == ids[0]
+    assert ids[0] < ids[2] < ids[6] < ids[7]
+    assert task(conn, routed) == before
+    assert {ids[i]: task(conn, ids[i])["lane"] for i in (0, 2, 6, 7)} == {
+        ids[0]: "a", ids[2]: "b", ids[6]: "a", ids[7]: "a"}
+    events = rows(conn, "select task_id, lane, detail from fleet.journal where kind = 'enqueued'"
+                        " and task_id <> all (%s) order by id", ([routed, old],))
+    assert [(e["task_id"], e["lane"], e["detail"]["key"]) for e in events] == [
+        (ids[0], "a", "new:1"), (ids[2], "b", "new:2"), (ids[6], "a", "old"), (ids[7], "a", "new:0")]
+    assert count(conn, "tasks") == 6
+
+
+def test_enqueue_many_calls_no_function_per_element(lanes: psycopg.Connection) -> None:
+    """The checks, each key's task and the insert are set-based: whatever functions a call runs, it
+    runs as often for 40 elements as for 4 (tiers, a profile and budgets named, some keys known, for
+    a key of every lane and for one of some lanes)."""
+    conn = lanes
+    conn.execute("""update fleet.lanes set config = '{"tiers": ["small", "large"], "profile": "opus"}'
+                     where name = 'docs'""")
+    conn.execute("insert into fleet.profiles (name) values ('opus')")
+    for i in range(40):
+        enqueue_task(conn, "docs", f"old:{i}")
+    worker = {"role": "fleet_worker", "fleet_lanes": ["docs"]}
+
+    def calls(n: int, claims: dict[str, Any] | None) -> dict[str, int]:
+        batch = [{"key": f"new:{n}:{i}", "tier": "large", "profile": "opus", "max_cost_usd": 1.5,
+                  "max_tokens": 1000, "payload": {"i": i}, "delay_seconds": 5} for i in range(n)]
+        batch += [{"key": f"old:{i}"} for i in range(n)]
+        def counts() -> dict[str, int]:  # (of this backend, not yet flushed: read before and after)
+            return {r["funcname"]: r["calls"] for r in rows(
+                conn, "select funcname, calls from pg_stat_xact_user_functions where schemaname = 'fleet'")}
+
+        with conn.transaction(force_rollback=True):
+            conn.execute("set local track_functions = 'all'")
+            before = counts()
+            if claims is None:
+                got = enqueue_many(conn, "docs", batch)
+            else:
+                with as_key(conn, "fleet_worker", claims):
+                    got = enqueue_many(conn, "docs", batch)
+            assert [r["created"] for r in got] == [True] * n + [False] * n
+            return {f: c - before.get(f, 0) for f, c in counts().items() if c > before.get(f, 0)}
+
+    for claims in (None, worker):
+        few, many = calls(4, claims), calls(40, claims)
+        assert few == many, (claims, few, many)
+        assert few["enqueue_many"] == 1, few
+
 BAD = [
     # element 2 of three: (label, element, p_lane, SQLSTATE, message after the "p_tasks[2] (key …): " prefix)
     ("not an object", [1, 2], "docs", "LF005", "a task must be a JSON object, not a JSON array"),
@@ -425,6 +496,27 @@ def test_the_first_bad_element_is_the_one_named(lanes: psycopg.Connection) -> No
     assert str(err.value.diag.message_primary).startswith("p_tasks[1] (key 'b')")
 
 
+
+def test_a_refused_element_is_named_before_a_bad_time_of_an_earlier_one(lanes: psycopg.Connection) -> None:
+    """Every check before any time is read, as before; and every element's time is read, also one
+    whose key names a task already or repeats an earlier element's."""
+    conn = lanes
+    with refused("LF005") as err:
+        enqueue_many(conn, "docs", [{"key": "a", "run_at": "2030-13-45"}, {"key": "b"}, {"key": "c", "priority": -1}])
+    assert str(err.value.diag.message_primary).startswith("p_tasks[2] (key 'c'): priority"), str(err.value)
+    enqueue_task(conn, "docs", "old")
+    for bad in ({"key": "old", "run_at": "2030-13-45"}, {"key": "x", "delay_seconds": 1e300}):
+        with refused("LF005") as err:
+            enqueue_many(conn, "docs", [{"key": "x"}, bad, {"key": "y"}])
+        assert str(err.value.diag.message_primary).startswith(f"p_tasks[1] (key '{bad['key']}'): "), str(err.value)
+    assert count(conn, "tasks") == 1
+
+
+def test_the_first_unknown_field_in_name_order_is_the_one_named(lanes: psycopg.Connection) -> None:
+    with refused("LF005") as err:
+        enqueue_many(lanes, "docs", [{"key": "a", "zeta": 1, "priority": 5, "alpha": 2}])
+    assert str(err.value.diag.message_primary) == "p_tasks[0] (key 'a'): unknown field 'alpha'"
+
 @pytest.mark.parametrize("tasks", [None, {"key": "a"}, "a", 5], ids=["null", "object", "string", "number"])
 def test_enqueue_many_takes_an_array(lanes: psycopg.Connection, tasks: Any) -> None:
     with refused("LF005") as err:
@@ -433,6 +525,81 @@ def test_enqueue_many_takes_an_array(lanes: psycopg.Connection, tasks: Any) -> N
     assert enqueue_many(lanes, "docs", []) == []
     assert count(lanes, "tasks") == 0
 
+
+
+@pytest.mark.parametrize("outcome", ["commit", "rollback"])
+def test_a_key_another_call_inserts_while_the_batch_waits_for_it(connect, outcome: str) -> None:
+    """The insert waits for the other transaction's row of the key. Committed: the batch answers
+    with that task (created false, for both of its elements of the key), makes its other task and
+    journals only that one. Rolled back: the batch makes the task itself."""
+    setup = connect()
+    add_lane(setup, "docs")
+    other = connect(autocommit=False)
+    theirs, created = enqueue_task(other, "docs", "contested")
+    assert created
+    b = connect()
+    batch = Call(b, lambda c: enqueue_many(c, "docs", [{"key": "mine"}, {"key": "contested"}, {"key": "contested"}]))
+    batch.start()
+    assert wait_until_waiting(setup, b.info.backend_pid) == "transactionid"
+    getattr(other, outcome)()
+    got = batch.outcome()
+    assert [(r["key"], r["created"]) for r in got] == [
+        ("mine", True), ("contested", outcome == "rollback"), ("contested", False)]
+    assert got[1]["id"] == got[2]["id"]
+    assert (got[1]["id"] == theirs) is (outcome == "commit")
+    assert rows(setup, "select key, count(*) as n from fleet.tasks group by key order by key") == [
+        {"key": "contested", "n": 1}, {"key": "mine", "n": 1}]
+    made = [got[0]["id"]] + ([got[1]["id"]] if outcome == "rollback" else [])
+    journal = rows(setup, "select task_id from fleet.journal where kind = 'enqueued' order by id")
+    assert [e["task_id"] for e in journal] == ([theirs] if outcome == "commit" else []) + made
+
+
+def test_concurrent_batches_of_overlapping_keys_make_one_task_per_key(db_url: str) -> None:
+    """Six calls at once, each the same 2,000 keys (and one of its own) in its own order: no deadlock
+    (the inserts take the key index in one order), every key one task, created by exactly one call,
+    journaled once; every call answers every element with that task."""
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("insert into fleet.lanes (name) values ('a')")
+    keys = [f"k:{i}" for i in range(2000)]
+
+    def work(c: psycopg.Connection, i: int) -> list[tuple[str, int, bool]]:
+        mine = [*keys, f"own:{i}"]
+        random.Random(i).shuffle(mine)
+        got = c.execute("select key, id, created from fleet.enqueue_many('a', %s) order by idx",
+                        (Jsonb([{"key": k} for k in mine]),)).fetchall()
+        assert [g[0] for g in got] == mine
+        return got
+
+    results = race(db_url, 6, work)
+    assert all(isinstance(r, list) for r in results), results
+    with psycopg.connect(db_url, autocommit=True) as c:
+        tasks = dict(c.execute("select key, id from fleet.tasks").fetchall())
+        journaled = c.execute("select count(*), count(distinct task_id) from fleet.journal where kind = 'enqueued'").fetchone()
+    assert len(tasks) == 2006 and journaled == (2006, 2006)
+    created: dict[str, int] = {}
+    for got in results:
+        for key, task_id, made in got:
+            assert task_id == tasks[key], key
+            created[key] = created.get(key, 0) + made
+    assert created == dict.fromkeys(tasks, 1)
+
+def test_a_batch_that_comes_while_its_lane_is_retired_reads_it_retired(connect) -> None:
+    """The lanes a batch names are locked FOR KEY SHARE in its one statement: it waits for a retire
+    under way and reads the row the retire left."""
+    setup = connect()
+    sync_lane(setup, "old")
+    sync_lane(setup, "new")
+    r = connect(autocommit=False)
+    assert one(r, "select fleet.retire_lane('old')") == "retired"
+    e = connect()
+    late = Call(e, lambda c: enqueue_many(c, "new", [{"key": "fine"}, {"key": "late", "lane": "old"}]))
+    late.start()
+    wait_until_waiting(setup, e.info.backend_pid)
+    r.commit()
+    with refused(LANE_RETIRED) as err:
+        late.outcome()
+    assert str(err.value.diag.message_primary).startswith("p_tasks[1] (key 'late'): lane old is retired")
+    assert count(setup, "tasks") == 0
 
 # ------------------------------------------------------------------------------------------------
 # the payload cap: the lane's max_payload_bytes (1 MiB by default), on every way in

@@ -1,0 +1,127 @@
+"""What one fleet.enqueue_many call costs: N new tasks in one call, against a plain INSERT of the
+same rows (the floor: the table, its indexes and its triggers, no checks, no journal), and that
+INSERT with an 'enqueued' event per task as enqueue_many writes it (the floor while the journal
+has them).
+
+```bash
+uv run python -m bench.enqueue_many --tasks 1000 --tasks 10000 --reps 9
+uv run python -m bench.enqueue_many --before /tmp/old-migrations   # + the same with older migrations
+```
+
+Each figure is the median of ``--reps`` calls, each on emptied tables, one autocommit call timed
+from the client (the JSON sent, the rows returned, the commit), and the CPU time its server
+backend spent on it (/proc/<pid>/schedstat, when the server runs on this machine: on a busy
+machine the steadier figure). ``--before DIR`` migrates a second scratch database with the
+migrations of DIR (e.g. ``git archive HEAD~1 migrations | tar -x -C …``) and alternates its calls
+with this tree's, so the two columns see the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import psycopg
+from psycopg.conninfo import make_conninfo
+from psycopg.types.json import Jsonb
+
+from bench.harness import DEFAULT_URL, log
+
+LANE = "bench"
+PLAIN = ("insert into fleet.tasks (lane, key, payload)"
+         " select %s, x ->> 'key', x -> 'payload' from jsonb_array_elements(%s) x")
+PLAIN_EVENTS = ("with t as (" + PLAIN + " returning id, lane, key, priority, run_at)"
+                " insert into fleet.events (kind, lane, task_id, detail)"
+                " select 'enqueued', t.lane, t.id, jsonb_build_object('key', t.key, 'priority', t.priority,"
+                " 'run_at', t.run_at) from t order by t.id")
+
+
+def _db(server: str, name: str, migrations: Path | None) -> str:
+    from worker.db.migrate import load_migrations, migrate
+
+    with psycopg.connect(server, autocommit=True) as admin:
+        admin.execute(f'create database "{name}"')
+    url = make_conninfo(server, dbname=name)
+    migrate(url, migrations=load_migrations(migrations) if migrations else None)
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("select fleet.sync_lane(%s, '{}')", (LANE,))
+    return url
+
+
+def _cpu_ns(pid: int) -> int | None:
+    """The CPU time a local process has used (ns), or None (no such file: not this machine's)."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _once(conn: psycopg.Connection, stmt: str, n: int) -> tuple[float, float | None]:
+    """One call on emptied tables: (wall seconds, the backend's CPU seconds or None)."""
+    conn.execute("truncate fleet.events, fleet.runs, fleet.tasks restart identity cascade")
+    conn.execute("vacuum analyze fleet.tasks")
+    tasks = Jsonb([{"key": f"bench:{i}", "payload": {"n": i}} for i in range(n)])
+    pid = conn.info.backend_pid
+    cpu0 = _cpu_ns(pid)
+    t0 = time.perf_counter()
+    cur = conn.execute(stmt, (LANE, tasks))
+    if cur.description is not None:
+        got = cur.fetchall()
+        assert len(got) == n and all(c for _, c in got), "every task new"
+    secs = time.perf_counter() - t0
+    cpu1 = _cpu_ns(pid)
+    assert conn.execute("select count(*) from fleet.tasks").fetchone() == (n,)
+    return secs, (cpu1 - cpu0) / 1e9 if cpu0 is not None and cpu1 is not None else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default=DEFAULT_URL, help="the server (default %(default)s)")
+    ap.add_argument("--tasks", type=int, action="append", help="tasks per call (repeatable; default 1000, 10000)")
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--before", type=Path, help="a migrations folder to compare with")
+    args = ap.parse_args(argv)
+    sizes = args.tasks or [1000, 10000]
+    tag = f"{time.time_ns() % 10**8:08d}"
+    dbs = {"this tree": f"lf_bench_enq_{tag}"} | ({"before": f"lf_bench_enqold_{tag}"} if args.before else {})
+    urls: dict[str, str] = {}
+    try:
+        for label, name in dbs.items():
+            urls[label] = _db(args.url, name, args.before if label == "before" else None)
+        calls = {f"enqueue_many, {label}": (url, "select id, created from fleet.enqueue_many(%s, %s)")
+                 for label, url in urls.items()}
+        calls["plain INSERT"] = (urls["this tree"], PLAIN)
+        calls["plain INSERT + events"] = (urls["this tree"], PLAIN_EVENTS)
+        conns = {k: psycopg.connect(u, autocommit=True) for k, (u, _) in calls.items()}
+        for n in sizes:
+            wall: dict[str, list[float]] = {k: [] for k in calls}
+            cpu: dict[str, list[float]] = {k: [] for k in calls}
+            for k in calls:  # one warm-up each
+                _once(conns[k], calls[k][1], n)
+            for _ in range(args.reps):
+                for k, (_, stmt) in calls.items():
+                    w, c = _once(conns[k], stmt, n)
+                    wall[k].append(w)
+                    if c is not None:
+                        cpu[k].append(c)
+            for k, xs in wall.items():
+                ms = sorted(x * 1000 for x in xs)
+                line = (f"{n:>6} tasks  {k:<26} wall median {statistics.median(ms):7.1f} ms"
+                        f" (min {ms[0]:.1f}, max {ms[-1]:.1f}; {n / statistics.median(xs):,.0f} tasks/s)")
+                if cpu[k]:
+                    cs = sorted(x * 1000 for x in cpu[k])
+                    line += f"  server CPU median {statistics.median(cs):7.1f} ms (min {cs[0]:.1f})"
+                log(line)
+        for conn in conns.values():
+            conn.close()
+    finally:
+        with psycopg.connect(args.url, autocommit=True) as admin:
+            for name in dbs.values():
+                admin.execute(f'drop database if exists "{name}" with (force)')
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
