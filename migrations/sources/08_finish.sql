@@ -11,17 +11,26 @@ security definer
 set search_path = pg_catalog, fleet, pg_temp
 as $$
 declare
-    t fleet.tasks;
     v_state text;
 begin
-    t := fleet._fenced(p_task, p_token);
-    v_state := fleet._done_state(t.lane, p_task);
-    update fleet.tasks
-       set state = v_state, result = p_result, updated_at = now(),
-           finished_at = case when v_state = 'done' then now() end,
+    -- fenced by the update itself: it writes the task only while this token holds its lease (the
+    -- update's row lock, and its re-check of the row after waiting for another writer); when it
+    -- writes nothing, fleet._fenced says why (unknown task, lease lost)
+    update fleet.tasks t
+       set state = d.state, result = p_result, updated_at = now(),
+           finished_at = case when d.state = 'done' then now() end,
            attention = null, attention_at = null,
            lease_token = null, lease_expires_at = null, session_id = null
-     where id = p_task;
+      from (select x.id, fleet._done_state(x.lane, x.id) as state
+              from fleet.tasks x
+             where x.id = p_task and x.state = 'running' and x.lease_token = p_token
+               and fleet._lane_allowed(x.lane)) d
+     where t.id = d.id and t.state = 'running' and t.lease_token = p_token
+    returning d.state into v_state;
+    if v_state is null then
+        perform fleet._fenced(p_task, p_token);
+        perform fleet._raise('LF001', format('lease lost: this lease no longer holds task %s', p_task));
+    end if;
     -- its run's end: the completion's entry in the journal (fleet.journal)
     perform fleet._end_run(p_token, 'done', null, v_state);
     return v_state;

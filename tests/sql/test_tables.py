@@ -104,7 +104,7 @@ def test_every_index_of_the_growing_tables_names_its_reader(conn: psycopg.Connec
                 or pg_get_expr(x.indpred, x.indrelid) ~ ('\m' || a.attname || '\M'))""").fetchall()}
     assert indexed.isdisjoint({"outcome", "ended_at", "end_id", "end_state", "input_tokens", "cost_usd"}), indexed
     opts = one(conn, "select reloptions from pg_class where oid = 'fleet.runs'::regclass")
-    assert "fillfactor=80" in opts
+    assert "fillfactor=50" in opts
     assert one(conn, "select amname from pg_class c join pg_am a on a.oid = c.relam"
                      " where c.oid = 'fleet.events_ts'::regclass") == "brin"
 
