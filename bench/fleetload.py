@@ -158,7 +158,7 @@ def verify(url: str, n: int, results: list[dict[str, Any]]) -> list[str]:
     if runs_done != n or runs != n:
         problems.append(f"{runs_done} done runs of {runs}, expected {n}")
     if completed != n:
-        problems.append(f"{completed} completed events, expected {n}")
+        problems.append(f"{completed} completed journal entries, expected {n}")
     return problems
 
 

@@ -11,7 +11,7 @@ and time from the first start to the last end. The repetitions are interleaved (
 once, then again) so that a slow minute of a shared machine does not fall on one system.
 
 Correctness is asserted, never speed: every job ran exactly once (the handlers' job ids; in
-lanefleet every task done with attempts = 1, one done run and one completed event each). Any
+lanefleet every task done with attempts = 1, one done run and one completed journal entry each). Any
 failure is printed and the exit status is 1. Goals are printed met / not met and never fail.
 See bench/README.md, "Against PgQueuer and Procrastinate".
 """
@@ -338,20 +338,20 @@ def report(run: dict[str, Any]) -> tuple[str, bool]:
         if f"enqueue.bulk.{system}" in outcomes:
             row(f"enqueue.bulk.{system}", label)
 
+    # the goals of #24 (those of #7, before it: durable ≥ 1.2× PgQueuer default and ≥ 60 % of pgbench)
     goals: list[tuple[str, str, str, float]] = [
-        ("durable c16 b10 ≥ 1.2× PgQueuer default", "lf.c16.b10", "pgq.default", 1.2),
-        ("durable c16 b10 ≥ 60 % of the pgbench ceiling", "lf.c16.b10", "pgbench", 0.6),
-        # the goal names no concurrency for bulk mode: c4 is the fastest on 2 cores, c16 the durable goal's
+        ("durable c16 b10 ≥ 0.8× PgQueuer default", "lf.c16.b10", "pgq.default", 0.8),
+        ("durable c16 b10 / the pgbench ceiling (no goal)", "lf.c16.b10", "pgbench", 0.0),
         ("bulk mode c4 ≥ 1.2× PgQueuer batch 100", "lf.bulk.c4", "pgq.batch100", 1.2),
         ("bulk mode c16 ≥ 1.2× PgQueuer batch 100", "lf.bulk.c16", "pgq.batch100", 1.2),
     ]
     for c in (1, 4, 16):
-        goals += [(f"≥ 10× Procrastinate c{c}: durable c{c} b10", f"lf.c{c}.b10", f"proc.c{c}", 10.0),
-                  (f"≥ 10× Procrastinate c{c}: bulk mode c{c}", f"lf.bulk.c{c}", f"proc.c{c}", 10.0)]
-    goals.append(("bulk enqueue ≥ PgQueuer bulk enqueue", "enqueue.bulk.lanefleet", "enqueue.bulk.pgqueuer", 1.0))
+        goals += [(f"durable c{c} b10 ≥ 10× Procrastinate c{c}", f"lf.c{c}.b10", f"proc.c{c}", 10.0),
+                  (f"bulk mode c{c} ≥ 10× Procrastinate c{c}", f"lf.bulk.c{c}", f"proc.c{c}", 10.0)]
+    goals.append(("bulk enqueue ≥ 1.0× PgQueuer bulk enqueue", "enqueue.bulk.lanefleet", "enqueue.bulk.pgqueuer", 1.0))
     lines += ["", "ratio: lanefleet / reference within each repetition (the two ran one after the other), the"
               " median of those; in brackets the lowest and highest.", "",
-              "| goal (#7) | lanefleet | reference | ratio | met |", "| --- | ---: | ---: | ---: | --- |"]
+              "| goal (#24) | lanefleet | reference | ratio | met |", "| --- | ---: | ---: | ---: | --- |"]
     for label, mine, ref, target in goals:
         x, y = outcomes.get(mine), outcomes.get(ref)
         ratios = paired_ratio(x, y) if x and y else []
@@ -370,7 +370,7 @@ def report(run: dict[str, Any]) -> tuple[str, bool]:
         r = statistics.median(ratios)
         spread = f" ({min(ratios):.2f}–{max(ratios):.2f})" if len(ratios) > 1 else ""
         lines.append(f"| {label} | {fmt_rate(x.median if x else None)} | {fmt_rate(y.median if y else None)} |"
-                     f" {r:.2f}×{spread} | {'met' if r >= target else '**not met**'} |")
+                     f" {r:.2f}×{spread} | {'–' if not target else 'met' if r >= target else '**not met**'} |")
 
     problems = [p for o in outcomes.values() for p in o.problems]
     runs = sum(len(o.rates) for k, o in outcomes.items() if not k.startswith("enqueue.bulk") and k != "pgbench")

@@ -220,21 +220,25 @@ with running as (
                and r0.lane = r.lane and r0.attempt = 1
              order by r0.id desc limit 1) fc on true
      where t.state = 'running'
-), p95 as (
-    -- per lane with running work: p95 stage wall-clock of the stages completed in 7 days
-    select c.lane, count(*) as completed,
-           percentile_cont(0.95) within group (order by extract(epoch from c.ended_at - c.stage_started_at))
-               as p95_seconds
-      from (select r.lane, r.ended_at, coalesce(fc.started_at, r.started_at) as stage_started_at
-              from fleet._runs_ended_since(now() - interval '7 days') r
+), p95 as materialized (
+    -- per lane with running work, once (not again for each running task): p95 stage wall-clock of
+    -- its last 500 stages completed in 7 days (runs_started, newest first: some 500 rows of the
+    -- lane, whatever the history)
+    select rl.lane, count(*) as completed, percentile_cont(0.95) within group (order by c.seconds) as p95_seconds
+      from (select distinct x.lane from running x) rl
+      cross join lateral (
+            select extract(epoch from r.ended_at - coalesce(fc.started_at, r.started_at)) as seconds
+              from fleet.runs r
               left join lateral (
                     select r0.started_at from fleet.runs r0
                      where r.attempt > 1 and r0.task_id = r.task_id and r0.id < r.id
                        and r0.lane = r.lane and r0.attempt = 1
                      order by r0.id desc limit 1) fc on true
-             where r.outcome in ('done', 'routed')
-               and r.lane in (select lane from running)) c
-     group by c.lane
+             where r.lane = rl.lane and r.started_at >= now() - interval '7 days'
+               and r.ended_at >= now() - interval '7 days' and r.outcome in ('done', 'routed')
+             order by r.started_at desc
+             limit 500) c
+     group by rl.lane
 ), judged as (
     select x.*, s.host, s.pid, s.state as session_state, s.heartbeat_at,
            fleet._lease_until(s.heartbeat_at, x.lease_seconds, x.session_timeout) as lease_until,
@@ -284,7 +288,7 @@ select j.id as task_id,
 comment on view fleet.stuck_tasks is
     'Running tasks that look stuck, with the reasons: lease expired or about to (less than '
     'min(1 minute, lease/3) left: two heartbeats missed), session lost, ended or silent, running longer '
-    'than the lane''s p95 stage wall-clock (7 days, at least 10 completions), no progress for the lane''s '
+    'than the lane''s p95 stage wall-clock (its last 500 stages in 7 days, at least 10), no progress for the lane''s '
     'config.stall_seconds. Reads only running tasks.';
 comment on column fleet.stuck_tasks.task_id is 'the task';
 comment on column fleet.stuck_tasks.lane is 'its lane';
@@ -301,7 +305,7 @@ comment on column fleet.stuck_tasks.attempt is 'claims of the task in this lane,
 comment on column fleet.stuck_tasks.stage_started_at is 'the first claim of the task in this lane';
 comment on column fleet.stuck_tasks.running_seconds is 'seconds since stage_started_at (its wall-clock so far)';
 comment on column fleet.stuck_tasks.lane_p95_seconds is
-    'p95 stage wall-clock of the lane''s stages completed in the last 7 days (NULL: none)';
+    'p95 stage wall-clock of the lane''s last 500 stages completed in the last 7 days (NULL: none)';
 comment on column fleet.stuck_tasks.lease_expires_at is
     'when the lease runs out unless the session heartbeats: its last heartbeat plus the lane''s lease';
 comment on column fleet.stuck_tasks.lease_remaining_seconds is 'seconds left on the lease (negative: expired)';
