@@ -313,15 +313,13 @@ begin
                 -- task yet (none when an element is refused): drawn in input order (the
                 -- subquery's ORDER BY is the order nextval runs in, and the order of this CTE's
                 -- rows, which the aggregates below keep)
+                -- (and its position in the journal: fleet.journal)
                 select s.*,
-                       case when s.holder is null and v_times
-                                 and not exists (select 1 from c where c.problem is not null)
-                            then nextval(v_seq) end as new_id,
-                       -- (and its position in the journal: fleet.journal)
-                       case when s.holder is null and v_times
-                                 and not exists (select 1 from c where c.problem is not null)
-                            then nextval('fleet.events_id_seq') end as journal_id
-                  from (select * from c order by c.idx) s
+                       case when s.is_new then nextval(v_seq) end as new_id,
+                       case when s.is_new then nextval('fleet.events_id_seq') end as journal_id
+                  from (select c.*, c.holder is null and v_times
+                                    and not exists (select 1 from c x where x.problem is not null) as is_new
+                          from c order by c.idx) s
                  order by s.idx
             ), ins as (
                 -- in the lock order of the key index (key, lane), the first element of a (lane, key)

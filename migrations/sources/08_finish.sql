@@ -21,10 +21,12 @@ begin
            finished_at = case when d.state = 'done' then now() end,
            attention = null, attention_at = null,
            lease_token = null, lease_expires_at = null, session_id = null
+      -- (offset 0: the subquery stays one, so its done state is asked once, not for each use)
       from (select x.id, fleet._done_state(x.lane, x.id) as state
               from fleet.tasks x
              where x.id = p_task and x.state = 'running' and x.lease_token = p_token
-               and fleet._lane_allowed(x.lane)) d
+               and fleet._lane_allowed(x.lane)
+            offset 0) d
      where t.id = d.id and t.state = 'running' and t.lease_token = p_token
     returning d.state into v_state;
     if v_state is null then
