@@ -454,14 +454,19 @@ revoke all on function fleet._profiles_hint(text) from public;
 grant execute on function fleet._profiles_hint(text) to service_role;
 
 -- The lane's tiers, lowest first (empty: the lane has none).
+-- (PL/pgSQL, as _tier_for: a SQL function with a subquery is never inlined, and it was parsed and
+-- planned again in every statement that called it: the claim, each enqueue)
 create or replace function fleet._tiers(l fleet.lanes)
 returns text[]
-language sql
+language plpgsql
 immutable
 as $$
-    select coalesce(array(select jsonb_array_elements_text(
-                              case when jsonb_typeof(l.config -> 'tiers') = 'array' then l.config -> 'tiers' end)),
-                    '{}');
+begin
+    if jsonb_typeof(l.config -> 'tiers') = 'array' then
+        return array(select jsonb_array_elements_text(l.config -> 'tiers'));
+    end if;
+    return '{}';
+end
 $$;
 revoke all on function fleet._tiers(fleet.lanes) from public;
 grant execute on function fleet._tiers(fleet.lanes) to service_role;
@@ -469,11 +474,17 @@ grant execute on function fleet._tiers(fleet.lanes) to service_role;
 -- The tier an attempt runs at: the task's, if the lane has it; else the lane's default tier.
 create or replace function fleet._tier_for(l fleet.lanes, p_tier text)
 returns text
-language sql
+language plpgsql
 immutable
 as $$
-    select case when p_tier = any (fleet._tiers(l)) then p_tier
-                else coalesce(l.config ->> 'default_tier', (fleet._tiers(l))[1]) end;
+declare
+    v_tiers text[] := fleet._tiers(l);
+begin
+    if p_tier = any (v_tiers) then
+        return p_tier;
+    end if;
+    return coalesce(l.config ->> 'default_tier', v_tiers[1]);
+end
 $$;
 revoke all on function fleet._tier_for(fleet.lanes,text) from public;
 grant execute on function fleet._tier_for(fleet.lanes,text) to service_role;

@@ -28,12 +28,19 @@ declare
     v_short boolean;
     v_short_pools text[];
     v_reopens timestamptz;
+    v_ids bigint[];
 begin
     if p_limit is null or p_limit < 0 then
         perform fleet._raise('LF005', format('claim limit must be 0 or more, not %s', p_limit));
     end if;
-    s := fleet._active_session(p_session);
-    update fleet.sessions set heartbeat_at = now() where id = s.id;
+    -- the session's heartbeat, which locks it; refused as fleet._active_session refuses when
+    -- there is no such active session of the caller's lanes
+    update fleet.sessions set heartbeat_at = now()
+     where id = p_session and state = 'active' and fleet._lane_allowed(lane)
+    returning * into s;
+    if not found then
+        s := fleet._active_session(p_session);
+    end if;
     -- The lane's settings do not change under a claim: fleet.sync_lane takes this key exclusively
     -- before it writes the lane, so it waits for the claims in flight, and the claims after it
     -- read what it wrote. Claims take it shared: they never wait for each other here.
@@ -76,11 +83,10 @@ begin
     end if;
 
     if not exists (select 1 from fleet.pools) then
-        for v_c in
-        with ready as (
-            -- the next ready tasks of the lane, skipping rows another transaction holds
-            -- (not a task this session handed off itself: a hand-off is for the next shift)
-            select t.id, t.priority, t.carry_over, t.run_at
+        -- the next ready tasks of the lane, locked, skipping rows another transaction holds (not a
+        -- task this session handed off itself: a hand-off is for the next shift), in claim order
+        v_ids := array(
+            select t.id
               from fleet.tasks t
              where t.lane = s.lane and t.state = 'queued' and t.run_at <= now()
                and not (t.carry_over and exists (select 1 from fleet.runs r
@@ -88,8 +94,12 @@ begin
                                                 and r.outcome = 'handed_off'))
              order by t.priority desc, t.carry_over desc, t.run_at, t.id
              limit v_free
-               for update skip locked
-        ), claimed as (
+               for update skip locked);
+        -- (two statements, not one: the update below, by an array of ids, has one plan for every
+        -- claim, where the row count of a LIMIT made the planner plan the whole statement anew
+        -- for each call, and a plan made for any LIMIT joined the tasks by a sequential scan)
+        for v_c in
+        with claimed as (
             -- lease them to the session
             update fleet.tasks t
                set state = 'running',
@@ -103,17 +113,19 @@ begin
                    run_profile = coalesce(t.profile, l.config ->> 'profile'),
                    pool = null,
                    updated_at = now()
-              from ready
-             where t.id = ready.id
+             where t.id = any (v_ids)
             returning t.*
         ), run_rows as (
-            -- one run row per dispatch: the claim's entry in the journal (fleet.journal)
+            -- one run row per dispatch: the claim's entry in the journal (fleet.journal), its
+            -- ids in claim order
             insert into fleet.runs (task_id, session_id, lane, attempt, lease_token, tier, profile)
-            select c.id, s.id, c.lane, c.attempts, c.lease_token, c.tier, c.run_profile from claimed c
+            select c.id, s.id, c.lane, c.attempts, c.lease_token, c.tier, c.run_profile
+              from claimed c join unnest(v_ids) with ordinality as o(id, ord) on o.id = c.id
+             order by o.ord
         )
-        -- in the order they were picked (the claim clears carry_over, so order by ready's copy of it)
-        select c.* from claimed c join ready r on r.id = c.id
-         order by r.priority desc, r.carry_over desc, r.run_at, r.id
+        -- in the order they were picked
+        select c.* from claimed c join unnest(v_ids) with ordinality as o(id, ord) on o.id = c.id
+         order by o.ord
         loop
             v_over := fleet._over_budget(v_c, l);
             if v_over is null then

@@ -13,6 +13,7 @@ their own connections; a waiter is seen waiting in pg_stat_activity, never infer
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
@@ -582,7 +583,7 @@ def claim_statements(conn: psycopg.Connection, session: uuid.UUID) -> dict[str, 
     values = {"s.lane": "'a'", "s.id": f"'{session}'::uuid", "v_free": "4"}
     _pools, pooled = loop_queries(body)
     return {
-        "ready": bind(parenthesised_after(body, "with ready as"), values),
+        "ready": bind(parenthesised_after(body, "v_ids := array"), values),
         "pooled": bind(pooled, values),
         "running": bind(parenthesised_after(body, "l.max_running -"), {"s.lane": "'a'"}),
     }
@@ -596,6 +597,32 @@ def test_the_claim_reads_ready_and_running_tasks_by_partial_index_whatever_the_h
     assert_index_only(conn, statements["ready"], "tasks", {"tasks_ready"})
     assert_index_only(conn, statements["pooled"], "tasks", {"tasks_ready"})
     assert_index_only(conn, statements["running"], "tasks", RUNNING_INDEXES)
+
+
+def test_the_claims_one_plan_for_every_call_reads_no_table_sequentially(conn: psycopg.Connection) -> None:
+    """The plan cache keeps one plan of each of the claim's statements for every later call (a
+    generic plan, made for any parameter values): that plan, forced here, reads the tasks by index,
+    in a lane whose queue is most of the table. (A claim written as one statement, its LIMIT joined
+    to the update, was planned anew for every call, and its generic plan, made for a tenth of the
+    queue, joined the tasks through a sequential scan.)"""
+    sync_lane(conn, "a")
+    conn.execute("select count(*) from fleet.enqueue_many('a', (select jsonb_agg(jsonb_build_object('key', 'deep:' || g))"
+                 " from generate_series(1, 20000) g))")
+    conn.execute("analyze fleet.tasks")
+    session = open_session(conn, "a")
+    notices: list[str] = []
+    conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    for setting in ("load 'auto_explain'", "set auto_explain.log_min_duration = 0",
+                    "set auto_explain.log_nested_statements = on", "set client_min_messages = log",
+                    "set plan_cache_mode = force_generic_plan"):
+        conn.execute(setting)
+    claimed = claim(conn, session, 2)
+    conn.execute("set client_min_messages = notice")
+    assert len(claimed) == 2
+    plans = [n for n in notices if "fleet.tasks" in n]
+    assert any("update fleet.tasks" in p for p in plans), notices
+    sequential = [p for p in plans if re.search(r"Seq Scan on tasks\b", p)]
+    assert not sequential, "\n\n".join(sequential)
 
 
 # ------------------------------------------------------------------------------------------------
