@@ -556,6 +556,29 @@ def assert_index_only(conn: psycopg.Connection, query: str, table: str, allowed:
         assert index in allowed, f"{query}\nscans fleet.{table} through {index}, not one of {allowed}"
 
 
+def generic_plans(conn: psycopg.Connection, call: Callable[[], Any]) -> list[str]:
+    """The plan of every statement run inside the functions ``call`` calls, as the plan cache keeps
+    them for later calls: generic plans (made for any parameter values, forced here), logged by
+    auto_explain with its nested statements. Each is its query text and its plan."""
+    notices: list[str] = []
+
+    def keep(d: psycopg.errors.Diagnostic) -> None:
+        notices.append(d.message_primary or "")
+
+    conn.add_notice_handler(keep)
+    try:
+        for setting in ("load 'auto_explain'", "set auto_explain.log_min_duration = 0",
+                        "set auto_explain.log_nested_statements = on", "set plan_cache_mode = force_generic_plan",
+                        "set client_min_messages = log"):
+            conn.execute(setting)
+        call()
+    finally:
+        conn.execute("set client_min_messages = notice")
+        conn.execute("reset plan_cache_mode")
+        conn.remove_notice_handler(keep)
+    return [n for n in notices if n.startswith("duration:")]
+
+
 # ------------------------------------------------------------------------------------------------
 # histories that several test files read
 

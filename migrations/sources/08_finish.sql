@@ -15,7 +15,10 @@ declare
 begin
     -- fenced by the update itself: it writes the task only while this token holds its lease (the
     -- update's row lock, and its re-check of the row after waiting for another writer); when it
-    -- writes nothing, fleet._fenced says why (unknown task, lease lost)
+    -- writes nothing, fleet._fenced says why (unknown task, lease lost). A task holds a lease
+    -- token while it runs, and only then (the check running_has_lease), so the token's match says
+    -- it is running: no test of its state here, where it let the planner read every running task
+    -- through tasks_running_session to find this one instead of reading it by id.
     update fleet.tasks t
        set state = d.state, result = p_result, updated_at = now(),
            finished_at = case when d.state = 'done' then now() end,
@@ -24,10 +27,9 @@ begin
       -- (offset 0: the subquery stays one, so its done state is asked once, not for each use)
       from (select x.id, fleet._done_state(x.lane, x.id) as state
               from fleet.tasks x
-             where x.id = p_task and x.state = 'running' and x.lease_token = p_token
-               and fleet._lane_allowed(x.lane)
+             where x.id = p_task and x.lease_token = p_token and fleet._lane_allowed(x.lane)
             offset 0) d
-     where t.id = d.id and t.state = 'running' and t.lease_token = p_token
+     where t.id = d.id and t.lease_token = p_token
     returning d.state into v_state;
     if v_state is null then
         perform fleet._fenced(p_task, p_token);
