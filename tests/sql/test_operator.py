@@ -8,6 +8,8 @@ tests/sql/test_security.py.)
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import psycopg
 import pytest
 from sqlkit import (
@@ -204,7 +206,9 @@ def test_clear_throttle_lifts_the_pool_and_readies_the_tasks_that_wait_for_it(co
     assert by["task"] == waiting
 
     got = one(conn, "select fleet.clear_throttle('shared')")
-    assert got == {"pool": "shared", "was_until": until.isoformat(), "note": "weekly", "set_by": by, "tasks": 1}
+    # (compared as times: JSON drops a fraction's trailing zeros, isoformat() does not)
+    assert got | {"was_until": datetime.fromisoformat(got["was_until"])} == {
+        "pool": "shared", "was_until": until, "note": "weekly", "set_by": by, "tasks": 1}
     pool = rows(conn, "select * from fleet.pools where name = 'shared'")[0]
     assert (pool["throttled_until"], pool["throttle_note"], pool["throttled_by"]) == (None, None, None)
     assert one(conn, "select run_at <= now() from fleet.tasks where id = %s", (waiting,))
