@@ -6,7 +6,8 @@
 Each system gets its own scratch database ``lf_bench_<system>_<hex>`` on the server of --url
 (default: TEST_DATABASE_URL or the machine's 127.0.0.1:5432), its schema from its own installer,
 dropped at the end. Per scenario: empty the tables, bulk-enqueue the jobs (timed: the bulk enqueue
-figure), VACUUM ANALYZE and CHECKPOINT, then start the workers (each its own process) together
+figure), VACUUM ANALYZE of the tables holding rows and CHECKPOINT (measure.settle), then start
+the workers (each its own process) together
 and time from the first start to the last end. The repetitions are interleaved (every scenario
 once, then again) so that a slow minute of a shared machine does not fall on one system.
 
