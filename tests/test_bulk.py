@@ -190,7 +190,8 @@ def test_enqueue_from_a_file_with_tiers_profiles_and_budgets(cli: Any, db_url: s
     assert r.returncode == 0, r.stderr
     with psycopg.connect(db_url) as c:
         got = c.execute("select key, tier, profile, max_cost_usd::float8, max_tokens from fleet.tasks order by id").fetchall()
-    assert got == [("b:1", "large", "opus", 1.25, 5000), ("b:2", None, None, 3.0, None)]
+    # (no tier named: the lane's default, its lowest here, as `fleet enqueue` of one task stores it)
+    assert got == [("b:1", "large", "opus", 1.25, 5000), ("b:2", "small", None, 3.0, None)]
     # a tier the lane does not name is found by the database and named by the line
     (tmp_path / "more.jsonl").write_text('{"key": "b:3"}\n{"key": "b:4", "tier": "huge"}\n')
     r = cli("enqueue", "--from", "more.jsonl", "--lane", "docs")

@@ -225,7 +225,7 @@ begin
                 -- the lanes named, FOR KEY SHARE (as fleet._lane): a retire in flight is waited
                 -- for, and the rows read are what it left
                 select l.name, l.retired_at is not null as retired, fleet._max_payload_bytes(l) as max_bytes,
-                       fleet._tiers(l) as tiers,
+                       fleet._tiers(l) as tiers, fleet._tier_for(l, null) as default_tier,
                        case when v_allowed is not null then array(select fleet._lane_profiles(l.name)) end
                            as profiles
                   from fleet.lanes l
@@ -331,7 +331,10 @@ begin
                 select f.new_id, f.journal_id, f.lane, f.key, f.t ->> 'title',
                        case when jsonb_typeof(f.t -> 'payload') = 'object' then f.t -> 'payload' else '{}' end,
                        coalesce((f.t ->> 'priority')::numeric::int, 0), f.run_at,
-                       (f.t ->> 'max_attempts')::numeric::int, f.t ->> 'tier', f.t ->> 'profile',
+                       (f.t ->> 'max_attempts')::numeric::int,
+                       -- no tier named: the lane's default, as enqueue_task stores it
+                       coalesce(f.t ->> 'tier', (select n.default_tier from named n where n.name = f.lane)),
+                       f.t ->> 'profile',
                        (f.t ->> 'max_cost_usd')::numeric, (f.t ->> 'max_tokens')::numeric::bigint
                   from fresh f
                  where f.new_id is not null

@@ -337,13 +337,16 @@ def test_enqueue_many_takes_a_tier_a_profile_and_a_budget(lanes: psycopg.Connect
     fields = {"tier": "large", "profile": "opus", "max_cost_usd": 2.5, "max_tokens": 40000}
     enqueue_many(conn, "docs", [{"key": "bulk:1", **fields}, {"key": "bulk:2"}])
     conn.execute("select fleet.enqueue_task('docs', 'one:1', '{}', 0, now(), null, null, 'large', 'opus', 2.5, 40000)")
+    conn.execute("select fleet.enqueue_task('docs', 'one:2', '{}')")
     cols = "tier, profile, max_cost_usd, max_tokens"
     bulk = rows(conn, f"select {cols} from fleet.tasks where key = 'bulk:1'")[0]
     assert bulk == rows(conn, f"select {cols} from fleet.tasks where key = 'one:1'")[0]
     assert (bulk["tier"], bulk["profile"], float(bulk["max_cost_usd"]), bulk["max_tokens"]) == (
         "large", "opus", 2.5, 40000)
-    assert rows(conn, f"select {cols} from fleet.tasks where key = 'bulk:2'")[0] == dict.fromkeys(
-        ("tier", "profile", "max_cost_usd", "max_tokens"))
+    # none named: the lane's default tier (its lowest here), nothing else
+    plain = rows(conn, f"select {cols} from fleet.tasks where key = 'bulk:2'")[0]
+    assert plain == rows(conn, f"select {cols} from fleet.tasks where key = 'one:2'")[0]
+    assert plain == {"tier": "small", "profile": None, "max_cost_usd": None, "max_tokens": None}
     detail = one(conn, "select detail from fleet.journal e join fleet.tasks t on t.id = e.task_id"
                        " where t.key = 'bulk:1' and e.kind = 'enqueued'")
     assert detail == {"key": "bulk:1", "priority": 0, "profile": "opus"}
