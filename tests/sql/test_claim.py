@@ -40,6 +40,7 @@ from sqlkit import (
     complete,
     count,
     enqueue,
+    enqueue_many,
     fail,
     fill,
     function_body,
@@ -607,8 +608,7 @@ def test_the_claims_one_plan_for_every_call_reads_no_table_sequentially(conn: ps
     to the update, was planned anew for every call, and its generic plan, made for a tenth of the
     queue, joined the tasks through a sequential scan.)"""
     sync_lane(conn, "a")
-    conn.execute("select count(*) from fleet.enqueue_many('a', (select jsonb_agg(jsonb_build_object('key', 'deep:' || g))"
-                 " from generate_series(1, 20000) g))")
+    enqueue_many(conn, "a", [{"key": f"deep:{i}"} for i in range(20000)])
     conn.execute("analyze fleet.tasks")
     session = open_session(conn, "a")
     claimed: list[dict[str, Any]] = []

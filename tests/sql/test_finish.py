@@ -38,6 +38,7 @@ from sqlkit import (
     complete_many,
     drop_session,
     enqueue,
+    enqueue_many,
     enqueue_task,
     fail,
     generic_plans,
@@ -91,8 +92,7 @@ def test_completes_one_plan_reads_its_task_by_id_however_many_run(conn, lane, se
     """The completion's plan, as the plan cache keeps it for every later call (generic), reads the
     task by id: not every running task (the statistics of a queue analyzed while little ran made a
     scan of the partial index tasks_running_session, all of it per completion, look cheaper)."""
-    conn.execute("select count(*) from fleet.enqueue_many(%s, (select jsonb_agg(jsonb_build_object('key', 'k' || g))"
-                 " from generate_series(1, 3000) g))", (lane,))
+    enqueue_many(conn, lane, [{"key": f"k{i}"} for i in range(3000)])
     claimed = claim(conn, session, 30)
     conn.execute("analyze fleet.tasks")
     t = claimed[0]
