@@ -42,9 +42,9 @@ LANE_RETIRED = "LF009"
 
 
 # an index that reads only the running tasks will do where a plan reads them: the partial index
-# of running tasks, or the range (lane, 'running') of tasks_lane_state; the planner picks one by
+# of running tasks, or the range (lane, 'running') of tasks_live_lane; the planner picks one by
 # the statistics ANALYZE sampled
-RUNNING_INDEXES = {"tasks_running_session", "tasks_lane_state"}
+RUNNING_INDEXES = {"tasks_running_session", "tasks_live_lane"}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ begin
     end if;
     v_free := p_limit;
     if l.max_running is not null then
-        v_free := least(p_limit,  -- (tasks_lane_state)
+        v_free := least(p_limit,  -- (tasks_live_lane)
             l.max_running - (select count(*) from fleet.tasks where lane = s.lane and state = 'running'));
     end if;
     if v_free <= 0 then

@@ -137,7 +137,7 @@ select l.name as lane,
                min(t.run_at) filter (where t.run_at <= now()) as oldest_ready_at
           from fleet.tasks t
          where t.lane = l.name and t.state = 'queued') q
-  -- running rows of the lane: tasks_lane_state
+  -- running rows of the lane: tasks_live_lane
   cross join lateral (
         select count(*) as running from fleet.tasks t where t.lane = l.name and t.state = 'running') r
   cross join lateral (
@@ -148,7 +148,7 @@ select l.name as lane,
     on true
   left join outcomes o on o.lane = l.name
   left join completions c on c.lane = l.name
-  -- waiting for people: blocked (tasks_blocked), in review (tasks_review), agents waiting on a prompt
+  -- waiting for people: blocked, in review (tasks_live_lane), agents waiting on a prompt
   cross join lateral (
         select count(*) filter (where t.state = 'blocked') as blocked,
                count(*) filter (where t.state = 'review') as in_review,
@@ -222,7 +222,7 @@ with running as (
      where t.state = 'running'
 ), p95 as materialized (
     -- per lane with running work, once (not again for each running task): p95 stage wall-clock of
-    -- its last 500 stages completed in 7 days (runs_started, newest first: some 500 rows of the
+    -- its last 500 stages completed in 7 days (runs_lane_started, newest first: some 500 rows of the
     -- lane, whatever the history)
     select rl.lane, count(*) as completed, percentile_cont(0.95) within group (order by c.seconds) as p95_seconds
       from (select distinct x.lane from running x) rl

@@ -129,7 +129,7 @@ begin
                    ('tasks', 'running', o.running),
                    ('tasks', 'blocked', o.blocked),
                    ('tasks', 'review', o.in_review),
-                   -- the states lane_overview leaves out: tasks_ci, and tasks_lane_state (index only)
+                   -- the states lane_overview leaves out (tasks_live_lane, index only)
                    ('tasks', 'ci', (select count(*) from fleet.tasks t where t.lane = o.lane and t.state = 'ci')),
                    ('tasks', 'batched', (select count(*) from fleet.tasks t where t.lane = o.lane and t.state = 'batched')),
                    ('tasks', 'dead', (select count(*) from fleet.tasks t where t.lane = o.lane and t.state = 'dead')),

@@ -605,9 +605,9 @@ BIG = {"tasks", "runs", "events", "sessions", "lane_handoffs"}
 
 PLANS = {
     # query: indexes its time window (or live rows) must be read through
-    "select * from fleet.lane_overview": {"tasks_ready", "tasks_lane_state",
+    "select * from fleet.lane_overview": {"tasks_ready", "tasks_live_lane",
                                           "events_kind_ts|events_ts", "sessions_active_lane|sessions_active_host"},
-    "select * from fleet.stuck_tasks": {"tasks_running_session|tasks_lane_state"},
+    "select * from fleet.stuck_tasks": {"tasks_running_session|tasks_live_lane"},
     "select * from fleet.session_overview": {"sessions_started", "runs_session"},
     "select * from fleet.recent_repairs": {"events_kind_ts"},
     "select * from fleet.dead_letters": {"tasks_dead"},

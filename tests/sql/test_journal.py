@@ -97,6 +97,24 @@ def test_closing_a_run_and_its_report_are_hot_updates(conn: psycopg.Connection) 
     assert (upd, hot) == (2, 2)
 
 
+def test_a_claim_of_a_hundred_closed_together_stays_on_its_pages(conn: psycopg.Connection) -> None:
+    """A claim of 100 puts its runs on pages of their own; complete_many closes them all in one
+    statement, so each page needs room for a second, larger version of every run on it: the
+    table's fill factor leaves it (at 50, one close in seven moved off its page)."""
+    add_lane(conn, "a")
+    enqueue_many(conn, "a", [{"key": f"k{i}", "payload": {"i": i}} for i in range(300)])
+    s = open_session(conn, "a")
+    conn.execute("select pg_stat_reset_single_table_counters('fleet.runs'::regclass)")
+    for _ in range(3):
+        held = claim_exactly(conn, s, 100)
+        done = complete_many(conn, [h["id"] for h in held], [h["lease_token"] for h in held])
+        assert {st for _, st in done} == {"done"}
+    conn.execute("select pg_stat_force_next_flush()")
+    upd, hot = conn.execute("select n_tup_upd, n_tup_hot_upd from pg_stat_user_tables"
+                            " where relid = 'fleet.runs'::regclass").fetchone()  # type: ignore[misc]
+    assert (upd, hot) == (300, 300)
+
+
 def test_a_run_that_lasted_long_is_still_found_by_its_end(conn: psycopg.Connection) -> None:
     """fleet._runs_ended_since finds a run by its end whatever it lasted: the short ones through their
     start, the ones longer than an hour through long_ended_at."""

@@ -104,9 +104,38 @@ def test_every_index_of_the_growing_tables_names_its_reader(conn: psycopg.Connec
                 or pg_get_expr(x.indpred, x.indrelid) ~ ('\m' || a.attname || '\M'))""").fetchall()}
     assert indexed.isdisjoint({"outcome", "ended_at", "end_id", "end_state", "input_tokens", "cost_usd"}), indexed
     opts = one(conn, "select reloptions from pg_class where oid = 'fleet.runs'::regclass")
-    assert "fillfactor=50" in opts
+    assert "fillfactor=40" in opts
     assert one(conn, "select amname from pg_class c join pg_am a on a.oid = c.relam"
                      " where c.oid = 'fleet.events_ts'::regclass") == "brin"
+
+
+def test_a_task_is_in_the_indexes_of_its_state_only(lanes: psycopg.Connection) -> None:
+    """Each state change of a task is a non-HOT update: it adds an entry to every index whose
+    predicate the new row meets. A queued task is in the ready index and no other partial one; a
+    running one in the live and running-session ones; a done one in none but the three every task
+    is in (so an enqueue writes 4 entries and a completion 3)."""
+    conn = lanes
+    partial = {r["idx"]: r["pred"] for r in rows(conn, """
+        select i.relname as idx, pg_get_expr(x.indpred, x.indrelid) as pred
+          from pg_index x join pg_class i on i.oid = x.indexrelid
+         where x.indrelid = 'fleet.tasks'::regclass""")}
+    every = {i for i, p in partial.items() if p is None}
+    assert every == {"tasks_pkey", "task_key_lane_unique", "tasks_created"}
+
+    def holding(task_id: int) -> set[str]:
+        return every | {i for i, p in partial.items()
+                        if p is not None and one(conn, f"select exists (select 1 from fleet.tasks"
+                                                       f" where id = %s and ({p}))", (task_id,))}
+
+    t = enqueue(conn, "docs")
+    assert holding(t) == every | {"tasks_ready"}
+    s = open_session(conn, "docs")
+    held = claim_one(conn, s)
+    assert held["id"] == t
+    assert holding(t) == every | {"tasks_live_lane", "tasks_running_session"}
+    conn.execute("select fleet.complete(%s, %s)", (t, held["lease_token"]))
+    assert one(conn, "select state from fleet.tasks where id = %s", (t,)) == "done"
+    assert holding(t) == every
 
 
 def test_a_claim_and_a_heartbeat_update_the_session_in_place(lanes: psycopg.Connection) -> None:
