@@ -69,15 +69,18 @@ grant execute on function fleet.lane_hours_rolled_until() to fleet_operator, ser
 
 -- The runs that ended at p_since or later. ended_at is in no index (closing a run, and
 -- record_run, are HOT updates): a run that lasted at most an hour started at most an hour before
--- its end (runs_started), and one that lasted longer has long_ended_at (runs_long_ended). Inlined
--- into its callers' plans (one SQL statement): a BitmapOr of the two.
+-- its end, and one that lasted longer has long_ended_at (runs_long_ended). Inlined into its
+-- callers' plans (one SQL statement): a BitmapOr of the two. The runs by start are read lane by
+-- lane (runs_lane_started, one descent per lane: every run's lane is a lane, and lanes are never
+-- deleted): an index of started_at alone would cost every claim an entry.
 create or replace function fleet._runs_ended_since(p_since timestamptz)
 returns setof fleet.runs
 language sql
 stable
 as $$
     select * from fleet.runs r
-     where (r.started_at >= p_since - interval '1 hour' and r.ended_at >= p_since)
+     where (r.lane = any (array(select l.name from fleet.lanes l))
+            and r.started_at >= p_since - interval '1 hour' and r.ended_at >= p_since)
         or r.long_ended_at >= p_since;
 $$;
 revoke all on function fleet._runs_ended_since(timestamp with time zone) from public;
@@ -112,7 +115,8 @@ stable
 as $$
     with ran as (
         -- every run that started or ended in the range: those that ended since p_from
-        -- (fleet._runs_ended_since), and the open ones that started since then (runs_started)
+        -- (fleet._runs_ended_since), and the open ones that started since then (runs_lane_started,
+        -- lane by lane)
         select r.id, r.task_id, r.lane, r.attempt, r.outcome, r.started_at, r.ended_at,
                r.input_tokens, r.cache_creation_tokens, r.cache_read_tokens, r.output_tokens, r.cost_usd
           from fleet._runs_ended_since(p_from) r
@@ -120,7 +124,8 @@ as $$
         select r.id, r.task_id, r.lane, r.attempt, r.outcome, r.started_at, r.ended_at,
                0, 0, 0, 0, 0
           from fleet.runs r
-         where r.ended_at is null and r.started_at >= p_from
+         where r.ended_at is null and r.lane = any (array(select l.name from fleet.lanes l))
+           and r.started_at >= p_from
     ), facts as (
         -- runs that ended in the range, by outcome, with tokens and the stage wall-clock of the
         -- completed stages (a stage starts at the run with attempt 1: runs_task, few rows)

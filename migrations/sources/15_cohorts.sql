@@ -70,7 +70,8 @@ as $$
            and (p_lane is null or fleet._lane_allowed(p_lane))
     ), cohort_runs as (
         -- the runs of the cohort, every stage. A recent cohort: the runs started since p_from
-        -- (runs_started; a task runs after it is queued) matched to the cohort's tasks by hash. An
+        -- (runs_lane_started, lane by lane; a task runs after it is queued) matched to the cohort's
+        -- tasks by hash. An
         -- older one: looked up task by task (runs_task), so that its cost follows the cohort and
         -- not the runs of all the months since.
         select c.arm, r.task_id, r.started_at, r.outcome, r.input_tokens, r.cache_creation_tokens,
@@ -78,7 +79,7 @@ as $$
           from fleet.runs r
           join cohort c on c.id = r.task_id
          where p_from >= now() - interval '35 days'
-           and r.started_at >= p_from
+           and r.started_at >= p_from and r.lane = any (array(select l.name from fleet.lanes l))
         union all
         select c.arm, r.*
           from cohort c
@@ -281,7 +282,7 @@ comment on function fleet.cohort_metrics(timestamptz, timestamptz, text) is
     '(failed attempts included); operator interventions: cancels and manual retries. Compare two cohorts '
     'to judge a change to the fleet; CI per task a source fed (ci_tasks, ci_executions, ci_cycles, '
     'ci_executions_per_task, regressions: merges reverted within 7 days); fleet.cohort_split gives the same figures for batched and unbatched '
-    'tasks apart. Cost follows the cohort''s size (tasks_created, runs_started or runs_task).';
+    'tasks apart. Cost follows the cohort''s size (tasks_created, runs_lane_started or runs_task).';
 revoke all on function fleet.cohort_metrics(timestamp with time zone,timestamp with time zone,text) from public;
 grant execute on function fleet.cohort_metrics(timestamp with time zone,timestamp with time zone,text) to fleet_operator, service_role;
 

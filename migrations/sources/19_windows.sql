@@ -270,7 +270,7 @@ create or replace trigger read_only instead of insert or update or delete on fle
 -- met anyway), spill-overs (claims that drew the pool other than the lane's first choice), and
 -- hand-offs at a window's end (agents asked to stop before a window closed). The bake-off's
 -- question, "did the pools throttle often enough for the capacity case to hold?", in one query.
--- Invoker: the events and runs of the caller's lanes (events_kind_ts, runs_started).
+-- Invoker: the events and runs of the caller's lanes (events_kind_ts, runs_lane_started).
 create or replace function fleet.window_outcomes(p_from timestamptz, p_to timestamptz)
 returns table (pool text, throttles_avoided bigint, throttles_hit bigint, spill_overs bigint, window_handoffs bigint)
 language sql
@@ -282,10 +282,11 @@ as $$
          where e.kind in ('window_deferred', 'throttled', 'handed_off')
            and e.ts >= p_from and e.ts < p_to
         union all
-        -- the claims that did not take the lane's first choice (runs_started)
+        -- the claims that did not take the lane's first choice (runs_lane_started, lane by lane)
         select 'claimed', r.claim_detail || jsonb_build_object('pool', r.pool)
           from fleet.runs r
          where r.claim_detail is not null and r.started_at >= p_from and r.started_at < p_to
+           and r.lane = any (array(select l.name from fleet.lanes l))
     ), per_pool as (
         -- a pool passed over (window_spill lists them) or waited for (window_deferred's pools)
         select p.pool, 'avoided' as what

@@ -611,9 +611,9 @@ PLANS = {
     "select * from fleet.session_overview": {"sessions_started", "runs_session"},
     "select * from fleet.recent_repairs": {"events_kind_ts"},
     "select * from fleet.dead_letters": {"tasks_dead"},
-    "select * from fleet.throughput_hourly": {"runs_started", "runs_long_ended", "tasks_created", "events_kind_ts"},
-    "select * from fleet.usage_by_lane_day": {"runs_started", "runs_long_ended"},
-    "select * from fleet.cohort_metrics(now() - interval '7 days', now())": {"tasks_created", "runs_started"},
+    "select * from fleet.throughput_hourly": {"runs_lane_started", "runs_long_ended", "tasks_created", "events_kind_ts"},
+    "select * from fleet.usage_by_lane_day": {"runs_lane_started", "runs_long_ended"},
+    "select * from fleet.cohort_metrics(now() - interval '7 days', now())": {"tasks_created", "runs_lane_started"},
     "select * from fleet.cohort_metrics(now() - interval '200 days', now() - interval '193 days')":
         {"tasks_created", "runs_task"},
 }

@@ -93,7 +93,7 @@ def test_every_index_of_the_growing_tables_names_its_reader(conn: psycopg.Connec
         select c.relname as tbl, i.relname as idx, obj_description(i.oid, 'pg_class') as note
           from pg_index x join pg_class i on i.oid = x.indexrelid join pg_class c on c.oid = x.indrelid
          where c.relnamespace = 'fleet'::regnamespace and c.relname in ('tasks', 'runs', 'events', 'sessions')""")
-    assert len(got) >= 25
+    assert len(got) >= 20
     unnamed = [(r["tbl"], r["idx"]) for r in got if not (r["note"] or "").startswith("read by: ")]
     assert unnamed == []
     # closing a run writes outcome, ended_at, end_id, end_state: in no index, key or predicate
