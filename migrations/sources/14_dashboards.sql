@@ -15,8 +15,8 @@
 -- steps, …). One sequence (the events' ids) numbers them all: id is the entry's position.
 --
 -- fleet.journal_since(p_since) holds the one definition of the entries, from p_since on (events_ts,
--- tasks_created, runs_lane_started lane by lane, fleet._runs_ended_since); fleet.journal is all of it. Both are
--- inlined into the caller's plan, so a task's entries (task_id: events_task, tasks_pkey, runs_task)
+-- tasks_created, runs_lane_started lane by lane, fleet._runs_ended_since); fleet.journal is all of
+-- it. Both are inlined into the caller's plan, so a task's entries (task_id: events_task, tasks_pkey, runs_task)
 -- and a session's (session_id: events_session, runs_session) are index reads. Invoker: the rows of
 -- the caller's lanes.
 create or replace function fleet.journal_since(p_since timestamptz)
