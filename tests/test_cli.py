@@ -224,7 +224,7 @@ def test_tasks_filters_by_every_state(db_url: str, config: Path, home: Path) -> 
         ids = {state: store.enqueue("docs", f"s-{state}")[0] for state in TASK_STATES}
     with psycopg.connect(db_url, autocommit=True) as c:  # one task in each state, as the CHECKs allow
         for state, tid in ids.items():
-            c.execute("""update fleet.tasks set state = %(s)s,
+            c.execute("""update fleet.tasks set state = %(s)s::text,
                                 block_reason = case when %(s)s = 'blocked' then 'test' end,
                                 finished_at = case when %(s)s in ('done', 'dead', 'cancelled') then now() end,
                                 lease_token = case when %(s)s = 'running' then gen_random_uuid() end,

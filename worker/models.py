@@ -9,10 +9,10 @@ from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict
 
-# Every state of a task, as the schema's CHECK task_state lists them (a test holds them equal), and
-# the finished ones (finished_at is set exactly for these: CHECK finished_has_time). Any other
-# state is open: queued or running, blocked or in review (waiting for a person), batched, in ci
-# (waiting for its pull request's checks: a source's pass moves it on).
+# Every state of a task, as the schema's domain fleet.task_state lists them (a test holds them
+# equal), and the finished ones (finished_at is set exactly for these: CHECK finished_has_time).
+# Any other state is open: queued or running, blocked or in review (waiting for a person), batched,
+# in ci (waiting for its pull request's checks: a source's pass moves it on).
 TASK_STATES = ("queued", "running", "blocked", "review", "batched", "ci", "done", "dead", "cancelled")
 FINISHED_STATES = ("done", "dead", "cancelled")
 WAITING_STATES = ("blocked", "review", "ci")  # open, but only a person (or the CI of a PR) moves them on

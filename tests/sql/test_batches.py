@@ -182,8 +182,8 @@ def test_a_batch_takes_the_keys_of_its_own_lane(conn: psycopg.Connection) -> Non
     batch = call(conn, "batch_create", "code", ["m2", "m1"], 4, None)
     members = rows(conn, "select n, task_id from fleet.batch_members where batch_id = %s order by n", (batch,))
     assert [m["task_id"] for m in members] == [mine["m2"], mine["m1"]]
-    assert one(conn, "select array_agg(state order by id) from fleet.tasks where lane = 'docs'") == ["queued"] * 3
-    assert one(conn, "select array_agg(key) from fleet.tasks where lane = 'code' and kind = 'batch'") == [
+    assert one(conn, "select array_agg(state::text order by id) from fleet.tasks where lane = 'docs'") == ["queued"] * 3
+    assert one(conn, "select array_agg(key::text) from fleet.tasks where lane = 'code' and kind = 'batch'") == [
         f"batch:{batch}"]
     # a key only another lane has is no member of this one
     with pytest.raises(psycopg.Error) as err:

@@ -674,10 +674,10 @@ def test_lane_summary_counts_every_state(conn: psycopg.Connection) -> None:
     # put one task in each state (as the functions would leave it; the CHECKs hold)
     for i, state in enumerate(TASK_STATES):
         conn.execute(
-            """update fleet.tasks set state = %(s)s,
-                      block_reason = case when %(s)s = 'blocked' then 'test' end,
-                      finished_at = case when %(s)s in ('done', 'dead', 'cancelled') then now() end,
-                      lease_token = case when %(s)s = 'running' then gen_random_uuid() end,
+            """update fleet.tasks set state = %(s)s::text,
+                      block_reason = case when %(s)s::text = 'blocked' then 'test' end,
+                      finished_at = case when %(s)s::text in ('done', 'dead', 'cancelled') then now() end,
+                      lease_token = case when %(s)s::text = 'running' then gen_random_uuid() end,
                       lease_expires_at = case when %(s)s = 'running' then now() + interval '1 minute' end,
                       session_id = case when %(s)s = 'running'
                                         then fleet.open_session('s', 'h', 1, now(), 60) end

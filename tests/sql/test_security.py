@@ -410,7 +410,7 @@ def test_a_docs_key_cannot_enqueue_many_into_another_lane(lanes: psycopg.Connect
     with as_key(conn, "fleet_worker", DOCS_WORKER), refused("LF008") as err:
         enqueue_many(conn, "docs", [{"key": "n:1", "lane": "nope"}])
     assert "known lanes" not in str(err.value)
-    assert one(conn, "select array_agg(key order by key) from fleet.tasks") == ["bug:1"]
+    assert one(conn, "select array_agg(key::text order by key) from fleet.tasks") == ["bug:1"]
     with as_key(conn, "fleet_worker", DOCS_WORKER):
         assert [r["created"] for r in enqueue_many(conn, "docs", [{"key": "d:1"}, {"key": "d:2"}])] == [True, True]
 

@@ -68,6 +68,37 @@ def test_constraint_refuses_an_active_session_with_an_end(conn, lane, session):
         conn.execute("update fleet.sessions set state = 'ended'")
 
 
+@pytest.mark.parametrize(("label", "update"), [
+    ("unknown outcome", "outcome = 'vanished', ended_at = now()"),
+    ("negative tokens", "input_tokens = -1"),
+    ("negative cost", "cost_usd = -0.01"),
+    ("attempt zero", "attempt = 0"),
+    ("an outcome without an end", "outcome = 'done'"),
+])
+def test_constraints_refuse_impossible_runs(conn, lane, session, label, update):
+    enqueue(conn, lane, "k")
+    claim_one(conn, session)
+    before = world(conn)
+    with pytest.raises(psycopg.errors.CheckViolation):
+        conn.execute(f"update fleet.runs set {update}")
+    assert world(conn) == before, label
+
+
+def test_a_check_of_the_written_tables_relates_columns(conn):
+    """PostgreSQL plans every CHECK of a table again for each statement that writes it, whatever
+    columns it sets; a one-column rule is its column's domain, planned once per backend."""
+    one_column = rows(conn, """
+        select conrelid::regclass::text as tbl, conname from pg_constraint
+         where contype = 'c' and conrelid in ('fleet.tasks'::regclass, 'fleet.runs'::regclass)
+           and cardinality(conkey) < 2""")
+    assert one_column == []
+    domains = {r[0] for r in conn.execute("""
+        select c.conname from pg_constraint c join pg_attribute a on a.atttypid = c.contypid
+         where a.attrelid in ('fleet.tasks'::regclass, 'fleet.runs'::regclass) and c.contype = 'c'""")}
+    assert {"task_state", "task_priority_range", "counter_non_negative", "run_outcome",
+            "token_count_non_negative", "cost_non_negative"} <= domains
+
+
 # ------------------------------------------------------------------------------------------------
 # storage settings
 
@@ -83,7 +114,7 @@ def test_hot_table_settings(conn: psycopg.Connection) -> None:
     assert {"events_task", "events_session", "events_kind_ts", "events_ts", "tasks_ready"} <= indexes
     # the claim's ORDER BY is the partial index's order, on queued rows
     assert one(conn, "select indexdef from pg_indexes where indexname = 'tasks_ready'").endswith(
-        "(lane, priority DESC, carry_over DESC, run_at, id) WHERE (state = 'queued'::text)")
+        "(lane, priority DESC, carry_over DESC, run_at, id) WHERE ((state)::text = 'queued'::text)")
 
 
 def test_every_index_of_the_growing_tables_names_its_reader(conn: psycopg.Connection) -> None:
@@ -154,7 +185,9 @@ def test_a_claim_and_a_heartbeat_update_the_session_in_place(lanes: psycopg.Conn
 
 def _check(conn: psycopg.Connection, name: str) -> str:
     row = conn.execute(
-        "select pg_get_constraintdef(oid) from pg_constraint where conrelid = 'fleet.tasks'::regclass and conname = %s",
+        # a check of the table, or of a column's domain (fleet.task_state)
+        "select pg_get_constraintdef(oid) from pg_constraint where conname = %s and (conrelid = 'fleet.tasks'::regclass"
+        " or contypid in (select atttypid from pg_attribute where attrelid = 'fleet.tasks'::regclass))",
         (name,),
     ).fetchone()
     assert row is not None, name
