@@ -37,18 +37,19 @@ def log(msg: str = "") -> None:
 
 
 @contextlib.contextmanager
-def scratch_db(server_url: str, what: str, *, keep: bool = False) -> Iterator[str]:
-    """A new, migrated database ``lf_bench_<what>_<hex>`` on the server; its URL. Dropped after."""
+def scratch_db(server_url: str, what: str, *, keep: bool = False, migrations: Path | None = None) -> Iterator[str]:
+    """A new, migrated database ``lf_bench_<what>_<hex>`` on the server (the migrations of the
+    directory ``migrations`` instead of the package's when given); its URL. Dropped after."""
     from uuid import uuid4
 
-    from worker.db.migrate import migrate
+    from worker.db.migrate import load_migrations, migrate
 
     name = f"lf_bench_{what}_{uuid4().hex[:8]}"
     with psycopg.connect(server_url, autocommit=True) as admin:
         admin.execute(f'create database "{name}"')
     url = make_conninfo(server_url, dbname=name)
     try:
-        migrate(url)
+        migrate(url, migrations=load_migrations(migrations) if migrations else None)
         yield url
     finally:
         if keep:
