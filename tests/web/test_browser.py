@@ -52,7 +52,9 @@ def test_approving_a_review_in_the_page_moves_the_task_to_done(fleet: Fleet, con
     form = page.locator(f'form[data-action="approve"][data-target="{task}"]')
     form.locator('input[name="note"]').fill("reads well")
     form.locator("button").click()
-    page.wait_for_selector('[data-flash="ok"]')
+    # (the post, its redirect and the page it lands on: over the Supabase stack on a loaded machine,
+    # more than the default 30 s was seen)
+    page.wait_for_selector('[data-flash="ok"]', timeout=90_000)
     assert f"fleet.review_approve({task}) answered: done" in page.locator('[data-flash="ok"]').inner_text()
     assert fleet.task(task)["state"] == "done"
     assert fleet.task(task)["finished_at"] is not None
