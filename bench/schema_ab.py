@@ -1,7 +1,7 @@
 """One schema against another: the time of a job's calls on two migrations directories,
 interleaved block by block, so that a shared machine's slow minute falls on both.
 
-    git archive <rev> migrations | tar -x -C /tmp/old          # the schema to compare with
+    mkdir -p /tmp/old && git archive <rev> migrations | tar -x -C /tmp/old   # the schema to compare with
     uv run python -m bench.schema_ab --a /tmp/old/migrations     # --b: the package's own
 
 A change of a table or of a function moves a job's server time by 5-20 %; a shared VM's speed
@@ -72,8 +72,8 @@ def main() -> int:
                                                     "postgresql://postgres@127.0.0.1:5432/postgres"))
     args = ap.parse_args()
     for d in (args.a, args.b):
-        if d is not None and not d.is_dir():
-            ap.error(f"{d}: no such migrations directory")
+        if d is not None and not any(d.glob("*_fleet_*.sql")):
+            ap.error(f"{d}: no lanefleet migrations there (files *_fleet_*.sql)")
     with scratch_db(args.url, "ab_a", migrations=args.a) as url_a, \
             scratch_db(args.url, "ab_b", migrations=args.b) as url_b, \
             psycopg.connect(url_a, autocommit=True) as a, psycopg.connect(url_b, autocommit=True) as b:
