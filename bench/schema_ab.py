@@ -14,13 +14,18 @@ the durable mode (claims of 10, one fleet.complete each) or in bulk mode (claims
 fleet.complete_many each), then the tables emptied. Printed per mode: the median µs per job of
 each schema and the median of the blocks' paired ratios b / a with its interquartile range. Times
 are printed, never asserted; every task must end done (exit status 1 otherwise).
+
+``--clients N`` drains each block with N connections at once (a thread and a session each; the
+enqueue stays one call): what contention costs, claimers meeting at the head of the ready index.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,8 +41,19 @@ MODES = {"enqueue_many": None, "durable (claim 10, complete)": (10, False),
          "bulk (claim 100, complete_many)": (100, True)}
 
 
-def block(conn: psycopg.Connection[Any], jobs: int, n: int) -> dict[str, float]:
-    """One block on one schema: µs per job of each mode."""
+def _drain_noting(conn: psycopg.Connection[Any], session: Any, batch: int, many: bool,
+                  failed: list[BaseException]) -> None:
+    """bench.wal's drain in a thread: what it raised goes to ``failed`` (the block fails, naming it)."""
+    try:
+        drain(conn, session, batch, many)
+    except BaseException as exc:
+        failed.append(exc)
+
+
+def block(conns: list[psycopg.Connection[Any]], jobs: int, n: int) -> dict[str, float]:
+    """One block on one schema: µs per job of each mode. With more than one connection, each
+    drains the lane at the same time in a thread of its own, with a session of its own."""
+    conn = conns[0]
     out: dict[str, float] = {}
     for mode, how in MODES.items():
         conn.execute("truncate fleet.events, fleet.runs, fleet.lane_handoffs, fleet.tasks, fleet.sessions"
@@ -46,10 +62,24 @@ def block(conn: psycopg.Connection[Any], jobs: int, n: int) -> dict[str, float]:
         t0 = time.perf_counter()
         conn.execute("select count(*) from fleet.enqueue_many(%s, %s)", (LANE, tasks))
         if how is not None:
-            row = conn.execute("select fleet.open_session(%s, 'bench-ab', 1, null, 3600)", (LANE,)).fetchone()
-            assert row is not None
+            sessions = []
+            for i, c in enumerate(conns):
+                row = c.execute("select fleet.open_session(%s, 'bench-ab', %s, null, 3600)", (LANE, i + 1)).fetchone()
+                assert row is not None
+                sessions.append(row[0])
+            failed: list[BaseException] = []
             t0 = time.perf_counter()
-            drain(conn, row[0], *how)
+            if len(conns) == 1:
+                drain(conn, sessions[0], *how)
+            else:
+                threads = [threading.Thread(target=_drain_noting, args=(c, s, *how, failed))
+                           for c, s in zip(conns, sessions, strict=True)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            if failed:
+                raise SystemExit(f"{mode}: a client failed: {failed[0]!r}")
             done = conn.execute("select count(*) from fleet.tasks where state = 'done'").fetchone()
             if done is None or done[0] != jobs:
                 raise SystemExit(f"{mode}: {done and done[0]} of {jobs} tasks done")
@@ -68,27 +98,34 @@ def main() -> int:
     ap.add_argument("--b", type=Path, help="migrations directory of schema b (default: the package's)")
     ap.add_argument("--blocks", type=int, default=20, help="blocks per schema (default 20)")
     ap.add_argument("--jobs", type=int, default=1000, help="jobs per block and mode (default 1000)")
+    ap.add_argument("--clients", type=int, default=1,
+                    help="connections draining each block together, a thread and a session each (default 1)")
     ap.add_argument("--url", default=os.environ.get("TEST_DATABASE_URL",
                                                     "postgresql://postgres@127.0.0.1:5432/postgres"))
     args = ap.parse_args()
+    if args.clients < 1:
+        ap.error("--clients must be at least 1")
     for d in (args.a, args.b):
         if d is not None and not any(d.glob("*_fleet_*.sql")):
             ap.error(f"{d}: no lanefleet migrations there (files *_fleet_*.sql)")
     with scratch_db(args.url, "ab_a", migrations=args.a) as url_a, \
-            scratch_db(args.url, "ab_b", migrations=args.b) as url_b, \
-            psycopg.connect(url_a, autocommit=True) as a, psycopg.connect(url_b, autocommit=True) as b:
-        log(f"{time.strftime('%Y-%m-%d %H:%M')}; {machine(a)}; tree {git_state()}")
-        log(f"a: {args.a}; b: {args.b or 'the package migrations'}; {args.blocks} blocks of {args.jobs} jobs")
-        for conn in (a, b):
+            scratch_db(args.url, "ab_b", migrations=args.b) as url_b, contextlib.ExitStack() as stack:
+        a = [stack.enter_context(psycopg.connect(url_a, autocommit=True)) for _ in range(args.clients)]
+        b = [stack.enter_context(psycopg.connect(url_b, autocommit=True)) for _ in range(args.clients)]
+        log(f"{time.strftime('%Y-%m-%d %H:%M')}; {machine(a[0])}; tree {git_state()}")
+        log(f"a: {args.a}; b: {args.b or 'the package migrations'}; {args.blocks} blocks of {args.jobs} jobs;"
+            f" {args.clients} client{'s' if args.clients > 1 else ''}")
+        for conn in (*a, *b):
             conn.execute("set synchronous_commit = off")
+        for conn in (a[0], b[0]):
             conn.execute("select fleet.sync_lane(%s, %s)", (LANE, Jsonb(LANE_SETTINGS)))
         times: dict[str, dict[str, list[float]]] = {m: {"a": [], "b": []} for m in MODES}
         block(a, args.jobs, -1)  # warm both: plans, caches, the tables' first pages
         block(b, args.jobs, -1)
         for n in range(args.blocks):
             order = (("a", a), ("b", b)) if n % 2 == 0 else (("b", b), ("a", a))
-            for side, conn in order:
-                for mode, us in block(conn, args.jobs, n).items():
+            for side, conns in order:
+                for mode, us in block(conns, args.jobs, n).items():
                     times[mode][side].append(us)
         log("")
         log(f"{'µs per job':34s} {'a':>8s} {'b':>8s}   b / a (paired: q1, median, q3)")
