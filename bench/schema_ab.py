@@ -1,8 +1,8 @@
 """One schema against another: the time of a job's calls on two migrations directories,
 interleaved block by block, so that a shared machine's slow minute falls on both.
 
-    mkdir -p /tmp/old && git archive <rev> migrations | tar -x -C /tmp/old   # the schema to compare with
-    uv run python -m bench.schema_ab --a /tmp/old/migrations     # --b: the package's own
+    mkdir -p /tmp/old && git archive <rev> migrations | tar -x -C /tmp/old
+    uv run python -m bench.schema_ab --a /tmp/old/migrations    # b: the package's own
 
 A change of a table or of a function moves a job's server time by 5-20 %; a shared VM's speed
 swings more than that within minutes, so two runs of bench.queues one after the other cannot tell
@@ -25,8 +25,9 @@ import argparse
 import contextlib
 import os
 import statistics
-import threading
+import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,18 +42,9 @@ MODES = {"enqueue_many": None, "durable (claim 10, complete)": (10, False),
          "bulk (claim 100, complete_many)": (100, True)}
 
 
-def _drain_noting(conn: psycopg.Connection[Any], session: Any, batch: int, many: bool,
-                  failed: list[BaseException]) -> None:
-    """bench.wal's drain in a thread: what it raised goes to ``failed`` (the block fails, naming it)."""
-    try:
-        drain(conn, session, batch, many)
-    except BaseException as exc:
-        failed.append(exc)
-
-
 def block(conns: list[psycopg.Connection[Any]], jobs: int, n: int) -> dict[str, float]:
-    """One block on one schema: µs per job of each mode. With more than one connection, each
-    drains the lane at the same time in a thread of its own, with a session of its own."""
+    """One block on one schema: µs per job of each mode. Each connection drains the lane at the
+    same time as the others, in a thread and with a session of its own."""
     conn = conns[0]
     out: dict[str, float] = {}
     for mode, how in MODES.items():
@@ -67,19 +59,9 @@ def block(conns: list[psycopg.Connection[Any]], jobs: int, n: int) -> dict[str, 
                 row = c.execute("select fleet.open_session(%s, 'bench-ab', %s, null, 3600)", (LANE, i + 1)).fetchone()
                 assert row is not None
                 sessions.append(row[0])
-            failed: list[BaseException] = []
             t0 = time.perf_counter()
-            if len(conns) == 1:
-                drain(conn, sessions[0], *how)
-            else:
-                threads = [threading.Thread(target=_drain_noting, args=(c, s, *how, failed))
-                           for c, s in zip(conns, sessions, strict=True)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-            if failed:
-                raise SystemExit(f"{mode}: a client failed: {failed[0]!r}")
+            with ThreadPoolExecutor(len(conns)) as pool:  # (map's results raise what a drain raised)
+                list(pool.map(lambda c, s, how=how: drain(c, s, *how), conns, sessions))
             done = conn.execute("select count(*) from fleet.tasks where state = 'done'").fetchone()
             if done is None or done[0] != jobs:
                 raise SystemExit(f"{mode}: {done and done[0]} of {jobs} tasks done")
@@ -112,9 +94,10 @@ def main() -> int:
             scratch_db(args.url, "ab_b", migrations=args.b) as url_b, contextlib.ExitStack() as stack:
         a = [stack.enter_context(psycopg.connect(url_a, autocommit=True)) for _ in range(args.clients)]
         b = [stack.enter_context(psycopg.connect(url_b, autocommit=True)) for _ in range(args.clients)]
-        log(f"{time.strftime('%Y-%m-%d %H:%M')}; {machine(a[0])}; tree {git_state()}")
-        log(f"a: {args.a}; b: {args.b or 'the package migrations'}; {args.blocks} blocks of {args.jobs} jobs;"
-            f" {args.clients} client{'s' if args.clients > 1 else ''}")
+        header = f"{time.strftime('%Y-%m-%d %H:%M')}; {machine(a[0])}; tree {git_state()}"
+        for line in (*textwrap.wrap(header, 80), f"a: {args.a}", f"b: {args.b or 'the package migrations'}",
+                     f"{args.blocks} blocks of {args.jobs} jobs; {args.clients} client{'s' if args.clients > 1 else ''}"):
+            log(line)
         for conn in (*a, *b):
             conn.execute("set synchronous_commit = off")
         for conn in (a[0], b[0]):
@@ -128,10 +111,10 @@ def main() -> int:
                 for mode, us in block(conns, args.jobs, n).items():
                     times[mode][side].append(us)
         log("")
-        log(f"{'µs per job':34s} {'a':>8s} {'b':>8s}   b / a (paired: q1, median, q3)")
+        log(f"{'µs per job':32s} {'a':>8s} {'b':>8s}   b / a: q1, median, q3")
         for mode, t in times.items():
             q1, med, q3 = quartiles([y / x for x, y in zip(t["a"], t["b"], strict=True)])
-            log(f"{mode:34s} {statistics.median(t['a']):8.1f} {statistics.median(t['b']):8.1f}"
+            log(f"{mode:32s} {statistics.median(t['a']):8.1f} {statistics.median(t['b']):8.1f}"
                 f"   {q1:.3f}  {med:.3f}  {q3:.3f}")
     return 0
 

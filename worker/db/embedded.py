@@ -63,12 +63,13 @@ def ensure_os_user(name: str, *, timeout: float = 30.0) -> None:
             pass
         done = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
                               check=False, capture_output=True, text=True)
-        if done.returncode != 0 and time.monotonic() > deadline:
+        if done.returncode == 0:
+            continue
+        if time.monotonic() > deadline:
             raise DatabaseUnavailable(f"could not create the OS user {name} for PostgreSQL (useradd: "
                                       f"{done.stderr.strip() or f'exit status {done.returncode}'})",
                                       f"create it yourself (`useradd --system {name}`), or run fleet as another user")
-        if done.returncode != 0:
-            time.sleep(0.1)
+        time.sleep(0.1)
 
 
 def data_dir(home: Path, pgdata: Path | None = None) -> Path:
