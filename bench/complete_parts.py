@@ -1,0 +1,151 @@
+"""Where a durable completion's server time goes: fleet.complete against copies of itself with
+one part taken out, each timed on the server.
+
+    uv run python -m bench.complete_parts [--calls 500] [--reps 5]
+
+The copies are made from the live definition (pg_get_functiondef) by replacing the text of one
+part, so they follow the function as it changes; a part whose text is no longer there stops the
+run (exit status 1) rather than timing a copy that is not what its name says. Per repetition and
+copy: the tables emptied, ``--calls`` tasks enqueued and claimed (claims of 100, committed, then
+vacuumed), and one DO block completes every running task with the copy, timing the loop with
+clock_timestamp(): the µs of one call inside a transaction, without the round trip, the commit or
+the client. Printed: the median over the repetitions, and what each part costs (its copy's time
+taken from the whole function's). A copy with a part removed is wrong on purpose (no lane check,
+every task done); it runs only in its scratch database. Times are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import textwrap
+import time
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from bench.fleetload import LANE, LANE_SETTINGS
+from bench.harness import git_state, log, machine, scratch_db
+
+LANE_CHECK = " and fleet._lane_allowed(x.lane)"
+DONE_STATE = ("fleet._done_state(x.lane, x.id)", "'done'::text")
+RUN_CLOSE = "perform fleet._end_run(p_token, 'done', null, v_state);"
+
+# name -> the (text, replacement) pairs that make the copy; None: fleet.complete itself
+COPIES: dict[str, list[tuple[str, str]] | None] = {
+    "fleet.complete": None,
+    "without the lane check": [(LANE_CHECK, "")],
+    "done state a constant": [DONE_STATE],
+    "neither of the two": [(LANE_CHECK, ""), DONE_STATE],
+    "without the run's close": [(RUN_CLOSE, "")],
+}
+PARTS = [("the lane check (fleet._lane_allowed)", "without the lane check"),
+         ("the done state (fleet._done_state)", "done state a constant"),
+         ("the run's close (fleet._end_run)", "without the run's close")]
+
+
+class DefinitionChanged(Exception):
+    pass
+
+
+def copies(conn: psycopg.Connection[Any]) -> dict[str, str]:
+    """Create the copies in the database: name -> the function to call."""
+    row = conn.execute("select pg_get_functiondef('fleet.complete(bigint,uuid,jsonb)'::regprocedure)").fetchone()
+    assert row is not None
+    source: str = row[0]
+    head = "CREATE OR REPLACE FUNCTION fleet.complete("
+    if head not in source:
+        raise DefinitionChanged(f"pg_get_functiondef no longer starts with {head!r}")
+    out: dict[str, str] = {}
+    for i, (name, edits) in enumerate(COPIES.items()):
+        if edits is None:
+            out[name] = "fleet.complete"
+            continue
+        fn = f"fleet._bench_complete_{i}"
+        text = source.replace(head, f"CREATE FUNCTION {fn}(")
+        for old, new in edits:
+            if old not in text:
+                raise DefinitionChanged(f"{name}: fleet.complete no longer holds {old!r}")
+            text = text.replace(old, new)
+        conn.execute(text)
+        out[name] = fn
+    return out
+
+
+def time_calls(conn: psycopg.Connection[Any], notices: list[str], session: str, fn: str, calls: int,
+               rep: int) -> float:
+    """µs per call of ``fn`` over ``calls`` running tasks, on the server (its figure: the last of
+    the connection's ``notices``)."""
+    conn.execute("truncate fleet.events, fleet.runs, fleet.lane_handoffs, fleet.tasks restart identity cascade")
+    conn.execute("select count(*) from fleet.enqueue_many(%s, %s)",
+                 (LANE, Jsonb([{"key": f"parts:{rep}:{i}"} for i in range(calls)])))
+    for _ in range(0, calls, 100):
+        conn.execute("select count(*) from fleet.claim(%s, 100)", (session,))
+    conn.execute("vacuum fleet.tasks, fleet.runs")
+    conn.execute(f"""
+        do $$
+        declare t0 timestamptz; r record; n int := 0;
+        begin
+            t0 := clock_timestamp();
+            for r in select id, lease_token from fleet.tasks where state = 'running' order by id loop
+                perform {fn}(r.id, r.lease_token);
+                n := n + 1;
+            end loop;
+            raise notice '% %', n, extract(epoch from clock_timestamp() - t0) * 1e6;
+        end $$""")
+    n, us = notices[-1].split()
+    if int(n) != calls:
+        raise SystemExit(f"{fn}: {n} tasks were running, expected {calls}")
+    left = conn.execute("select count(*) from fleet.tasks where state <> 'done'").fetchone()
+    if left is None or left[0] != 0:
+        raise SystemExit(f"{fn}: {left and left[0]} tasks not done after the loop")
+    return float(us) / calls
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=500, help="completions per copy and repetition (default 500)")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions, the median is printed (default 5)")
+    ap.add_argument("--url", default=os.environ.get("TEST_DATABASE_URL",
+                                                    "postgresql://postgres@127.0.0.1:5432/postgres"))
+    args = ap.parse_args()
+    if args.calls < 1 or args.reps < 1:
+        ap.error("--calls and --reps must be at least 1")
+    with scratch_db(args.url, "parts") as url, psycopg.connect(url, autocommit=True) as conn:
+        header = f"{time.strftime('%Y-%m-%d %H:%M')}; {machine(conn)}; tree {git_state()}"
+        for line in (*textwrap.wrap(header, 80), f"{args.calls} calls per copy, {args.reps} repetitions"):
+            log(line)
+        conn.execute("select fleet.sync_lane(%s, %s)", (LANE, Jsonb(LANE_SETTINGS)))
+        row = conn.execute("select fleet.open_session(%s, 'bench-parts', 1, null, 3600)", (LANE,)).fetchone()
+        assert row is not None
+        session = str(row[0])
+        notices: list[str] = []
+        conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+        try:
+            fns = copies(conn)
+        except DefinitionChanged as exc:
+            log(f"cannot make the copies: {exc}; bring bench/complete_parts.py in step with it")
+            return 1
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for rep in range(args.reps):
+            for name, fn in fns.items():
+                times[name].append(time_calls(conn, notices, session, fn, args.calls, rep))
+        med = {name: statistics.median(t) for name, t in times.items()}
+        log("")
+        log(f"{'µs per call, on the server':40s} {'median':>8s} {'min':>8s}")
+        for name, t in times.items():
+            log(f"{name:40s} {med[name]:8.1f} {min(t):8.1f}")
+        log("")
+        log(f"{'what a part costs (the whole less its copy)':44s} {'µs':>6s} {'share':>6s}")
+        whole = med["fleet.complete"]
+        for label, name in PARTS:
+            log(f"{label:44s} {whole - med[name]:6.1f} {(whole - med[name]) / whole:6.0%}")
+        rest = med["neither of the two"] - (whole - med["without the run's close"])
+        log(f"{'the task update, fenced, without both':44s} {rest:6.1f} {rest / whole:6.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

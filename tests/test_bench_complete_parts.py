@@ -1,0 +1,59 @@
+"""bench/complete_parts.py times fleet.complete against copies of itself with one part taken out:
+the copies are the live definition less exactly that part, the run prints every copy and part,
+and a definition that no longer holds a part stops the run by name. Times are never asserted
+(bench/README.md)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from bench import complete_parts
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def definition(conn: psycopg.Connection, fn: str) -> str:
+    row = conn.execute("select prosrc from pg_proc where oid = %s::regproc", (fn,)).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def test_each_copy_is_the_function_less_its_part(conn: psycopg.Connection) -> None:
+    fns = complete_parts.copies(conn)
+    assert list(fns) == list(complete_parts.COPIES)
+    whole = definition(conn, "fleet.complete")
+    for name, edits in complete_parts.COPIES.items():
+        if edits is None:
+            assert fns[name] == "fleet.complete"
+            continue
+        expected = whole
+        for old, new in edits:
+            assert old in expected, name
+            expected = expected.replace(old, new)
+        assert definition(conn, fns[name]) == expected != whole, name
+
+
+def test_a_definition_without_a_part_stops_the_copies_by_name(conn: psycopg.Connection) -> None:
+    row = conn.execute("select pg_get_functiondef('fleet.complete(bigint,uuid,jsonb)'::regprocedure)").fetchone()
+    assert row is not None
+    conn.execute(row[0].replace(complete_parts.LANE_CHECK, ""))
+    with pytest.raises(complete_parts.DefinitionChanged, match=re.escape("without the lane check: fleet.complete no longer")):
+        complete_parts.copies(conn)
+
+
+def test_complete_parts_prints_every_copy_and_part(pg_server: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "bench.complete_parts", "--calls", "20", "--reps", "1",
+                           "--url", pg_server], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    figures = {m.group(1): float(m.group(2))
+               for m in re.finditer(r"^(\S.*?)\s{2,}(-?[\d.]+)\s+(-?[\d.]+%?)$", done.stdout, re.M)}
+    assert set(complete_parts.COPIES) <= set(figures), done.stdout
+    assert {label for label, _ in complete_parts.PARTS} <= set(figures), done.stdout
+    assert all(figures[name] > 0 for name in complete_parts.COPIES), done.stdout
+    assert all(len(line) <= 80 for line in done.stdout.splitlines()), done.stdout
