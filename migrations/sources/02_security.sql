@@ -18,6 +18,9 @@
 -- The one hand-edited definition of each function and view below. A change here needs a
 -- migration made from it: `uv run python -m worker.dev.sqlsources new <name>` (see README).
 
+-- (Service_role and superusers are told by their settings, role and is_superuser, which
+-- PostgreSQL sets at login, SET ROLE and SET SESSION AUTHORIZATION: a superuser demoted while its
+-- session is open keeps every lane in that session until one of those.)
 create or replace function fleet._allowed_lanes()
 returns text[]
 language plpgsql

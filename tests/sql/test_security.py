@@ -221,6 +221,26 @@ def test_the_lane_check_answers_as_before_for_every_kind_of_caller(conn: psycopg
                 conn.execute(sql.SQL("drop role {}").format(sql.Identifier(r)))
 
 
+
+def test_service_role_and_superusers_are_answered_without_reading_the_catalog(conn: psycopg.Connection) -> None:
+    """By their settings (role, is_superuser); any other caller reads pg_authid and pg_namespace
+    once. (Reads: this transaction's scans of the two catalogs and their indexes, counted by
+    pg_stat_get_xact_numscans, which reads no catalog itself.)"""
+    count = ("select sum(pg_stat_get_xact_numscans(r))::int from unnest(array['pg_namespace',"
+             " 'pg_namespace_nspname_index', 'pg_namespace_oid_index', 'pg_authid', 'pg_authid_rolname_index',"
+             " 'pg_authid_oid_index']::regclass[]) r")
+
+    def reads(role: str, claims: str | None) -> int:
+        with as_key(conn, role, claims):
+            conn.execute("select fleet._allowed_lanes()")  # (once first: the caches of the call itself)
+            before = one(conn, count)
+            conn.execute("select fleet._allowed_lanes()")
+            return int(one(conn, count)) - int(before)
+
+    assert reads("postgres", None) == 0 and reads("service_role", "{}") == 0
+    assert reads("fleet_worker", '{"fleet_lanes": ["docs"]}') > 0
+    assert reads("fleet_operator", None) > 0
+
 # ------------------------------------------------------------------------------------------------
 # the lane checks of the API calls
 
