@@ -33,7 +33,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from bench.fleetload import LANE, LANE_SETTINGS
-from bench.harness import git_state, log, machine, scratch_db
+from bench.harness import log, scratch_db, stamp
 
 LANE_CHECK = " and fleet._lane_allowed(x.lane)"
 DONE_STATE = ("fleet._done_state(x.lane, x.id)", "'done'::text")
@@ -54,11 +54,16 @@ class DefinitionChanged(Exception):
     pass
 
 
-def copies(conn: psycopg.Connection[Any]) -> dict[str, str]:
-    """Create the copies in the database: name -> the function to call."""
+def definition(conn: psycopg.Connection[Any]) -> str:
+    """fleet.complete's CREATE statement, as the database holds it."""
     row = conn.execute("select pg_get_functiondef('fleet.complete(bigint,uuid,jsonb)'::regprocedure)").fetchone()
     assert row is not None
-    source: str = row[0]
+    return str(row[0])
+
+
+def copies(conn: psycopg.Connection[Any]) -> dict[str, str]:
+    """Create the copies in the database: name -> the function to call."""
+    source = definition(conn)
     head = "CREATE OR REPLACE FUNCTION fleet.complete("
     if head not in source:
         raise DefinitionChanged(f"pg_get_functiondef no longer starts with {head!r}")
@@ -145,11 +150,9 @@ def main() -> int:
     if args.calls < 1 or args.reps < 1:
         ap.error("--calls and --reps must be at least 1")
     with scratch_db(args.url, "parts") as url, psycopg.connect(url, autocommit=True) as conn:
-        role = conn.execute("select current_user, (select rolsuper from pg_roles where rolname = current_user)"
-                            ).fetchone() or ("?", None)
+        role = conn.execute("select current_user, current_setting('is_superuser') = 'on'").fetchone() or ("?", None)
         how = "each call its own transaction, at the client" if args.own_transactions else "in one DO block"
-        header = f"{time.strftime('%Y-%m-%d %H:%M')}; {machine(conn)}; tree {git_state()}"
-        for line in (*textwrap.wrap(header, 80), f"{args.calls} calls per copy, {args.reps} repetitions, {how};",
+        for line in (*textwrap.wrap(stamp(conn), 80), f"{args.calls} calls per copy, {args.reps} repetitions, {how};",
                      f"as {role[0]}{' (a superuser)' if role[1] else ''}"):
             log(line)
         conn.execute("set synchronous_commit = off")

@@ -269,6 +269,11 @@ def wait_agents(shift_pid: int, n: int, timeout: float = 60) -> dict[int, list[i
     return wait_for(f"{n} agents under shift {shift_pid}", ready, timeout=timeout)
 
 
+def stamp(conn: psycopg.Connection[Any] | None = None) -> str:
+    """A run's first line: when, on what machine and server (:func:`machine`), at which tree."""
+    return f"{time.strftime('%Y-%m-%d %H:%M')}; {machine(conn)}; tree {git_state()}"
+
+
 def git_state() -> str:
     """The commit the tree is at, and whether it has changes (what a figure was measured on)."""
     try:

@@ -39,7 +39,7 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.harness import git_state, log, machine, pct
+from bench.harness import log, pct, stamp
 from bench.views_scale import LANES, LIVE, build_history, build_live, plan_nodes
 from worker.db.migrate import migrate
 
@@ -162,7 +162,7 @@ def main() -> int:
     try:
         migrate(url)
         with psycopg.connect(url, autocommit=True) as conn:
-            log(f"{time.strftime('%Y-%m-%d %H:%M')}; {machine(conn)}; tree {git_state()}")
+            log(stamp(conn))
             t_end = build_live(conn, args.tasks)
             build_history(conn, args.tasks, args.events, args.days, t_end)
             log(f"throttled runs: {add_pools(conn):,}")

@@ -35,7 +35,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from bench.fleetload import LANE, LANE_SETTINGS
-from bench.harness import git_state, log, machine, scratch_db
+from bench.harness import log, scratch_db, stamp
 from bench.wal import drain
 
 MODES = {"enqueue_many": None, "durable (claim 10, complete)": (10, False),
@@ -94,8 +94,7 @@ def main() -> int:
             scratch_db(args.url, "ab_b", migrations=args.b) as url_b, contextlib.ExitStack() as stack:
         a = [stack.enter_context(psycopg.connect(url_a, autocommit=True)) for _ in range(args.clients)]
         b = [stack.enter_context(psycopg.connect(url_b, autocommit=True)) for _ in range(args.clients)]
-        header = f"{time.strftime('%Y-%m-%d %H:%M')}; {machine(a[0])}; tree {git_state()}"
-        for line in (*textwrap.wrap(header, 80), f"a: {args.a}", f"b: {args.b or 'the package migrations'}",
+        for line in (*textwrap.wrap(stamp(a[0]), 80), f"a: {args.a}", f"b: {args.b or 'the package migrations'}",
                      f"{args.blocks} blocks of {args.jobs} jobs; {args.clients} client{'s' if args.clients > 1 else ''}"):
             log(line)
         for conn in (*a, *b):

@@ -61,7 +61,7 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.harness import git_state, machine, pct, scratch_db
+from bench.harness import pct, scratch_db, stamp
 from worker.db.migrate import migrate
 
 LANES = 8
@@ -545,7 +545,7 @@ def main() -> int:
         with psycopg.connect(url, autocommit=True) as conn, \
                 scratch_db(args.url, "views_empty", keep=args.keep) as empty_url, \
                 psycopg.connect(empty_url, autocommit=True) as empty:
-            log(f"{time.strftime('%Y-%m-%d %H:%M')}; {machine(conn)}; tree {git_state()}")
+            log(stamp(conn))
             build_live(empty, n)  # the same live work, and never any history
             empty.execute("vacuum analyze")
             t_end = build_live(conn, n)

@@ -40,9 +40,7 @@ def test_each_copy_is_the_function_less_its_part(conn: psycopg.Connection) -> No
 
 
 def test_a_definition_without_a_part_stops_the_copies_by_name(conn: psycopg.Connection) -> None:
-    row = conn.execute("select pg_get_functiondef('fleet.complete(bigint,uuid,jsonb)'::regprocedure)").fetchone()
-    assert row is not None
-    conn.execute(row[0].replace(complete_parts.LANE_CHECK, ""))
+    conn.execute(complete_parts.definition(conn).replace(complete_parts.LANE_CHECK, ""))
     with pytest.raises(complete_parts.DefinitionChanged, match=re.escape("without the lane check: fleet.complete no longer")):
         complete_parts.copies(conn)
 

@@ -221,7 +221,6 @@ def test_the_lane_check_answers_as_before_for_every_kind_of_caller(conn: psycopg
                 conn.execute(sql.SQL("drop role {}").format(sql.Identifier(r)))
 
 
-
 def test_service_role_and_superusers_are_answered_without_reading_the_catalog(conn: psycopg.Connection) -> None:
     """By their settings (role, is_superuser); any other caller reads pg_authid and pg_namespace
     once. (Reads: this transaction's scans of the two catalogs and their indexes, counted by
@@ -240,6 +239,7 @@ def test_service_role_and_superusers_are_answered_without_reading_the_catalog(co
     assert reads("postgres", None) == 0 and reads("service_role", "{}") == 0
     assert reads("fleet_worker", '{"fleet_lanes": ["docs"]}') > 0
     assert reads("fleet_operator", None) > 0
+
 
 # ------------------------------------------------------------------------------------------------
 # the lane checks of the API calls
