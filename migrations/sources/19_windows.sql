@@ -17,6 +17,7 @@ returns table (window_start timestamptz, resets_at timestamptz, used_tokens nume
                read_at timestamptz, status text)
 language plpgsql
 stable
+rows 1  -- (one row: as fleet._pools_of_the_key says why)
 as $$
 declare
     v_secs double precision := (w ->> 'seconds')::double precision;
@@ -228,10 +229,12 @@ grant execute on function fleet._record_windows(fleet.runs,jsonb) to service_rol
 -- estimate was at the provider's last reading.
 -- The windows of the pools the key's lanes draw from (fleet._pools_of_the_key): their settings,
 -- which the pools table shows to keys of every lane only.
+-- (rows 10, a row per pool, as fleet._pools_of_the_key says why)
 create or replace function fleet._pool_windows_of_the_key()
 returns table (pool text, windows jsonb, reserve numeric)
 language sql
 stable
+rows 10
 security definer
 set search_path = pg_catalog, fleet, pg_temp
 as $$

@@ -255,3 +255,15 @@ def test_the_scrape_reads_no_table_whole(long_history: psycopg.Connection) -> No
     assert "events_kind_ts" in {index for _, index in scans_of(nodes, "events")}
     assert scans_of(nodes, "lane_hours") == []  # the rolled-up hours are read as their sums
     assert {r[0] for r in conn.execute("select lane from fleet.lane_totals").fetchall()} == {"a", "b", "c", "d"}
+
+
+def test_the_scrape_is_planned_below_the_cost_that_compiles_it(conn: psycopg.Connection) -> None:
+    """A server with JIT compiles a statement whose estimated cost passes jit_above_cost, at every
+    execution: with the pool functions' default estimate (1,000 rows each) the scrape cost 12.5 M
+    and each scrape spent 1.3 s compiling 3 ms of work (bench/metrics_scale.py). So do the pool
+    dashboards that read the same functions."""
+    ceiling = float(one(conn, "select current_setting('jit_above_cost')"))
+    for query in (parenthesised_after(function_body(conn, "fleet.metrics()"), "return"),
+                  "select * from fleet.pool_overview", "select * from fleet.pool_windows"):
+        (doc,) = conn.execute("explain (format json) " + query).fetchone()  # type: ignore[misc]
+        assert doc[0]["Plan"]["Total Cost"] < ceiling, (query[:60], doc[0]["Plan"]["Total Cost"])
