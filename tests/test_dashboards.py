@@ -619,6 +619,20 @@ def test_dashboards_read_one_moment(db_url: str) -> None:
     assert [row["queued"] for row in again["lanes"]] == [row["queued"] for row in first["lanes"]] == [2, 1]
 
 
+def test_dashboards_read_without_jit_and_leave_the_connection_as_it_was(db_url: str) -> None:
+    """JIT is off for the reads' transaction only: the pool's connection serves API calls after."""
+    from monitor.dashboards.reads import reading
+    from worker.store.postgres import PostgresStore
+
+    with PostgresStore(db_url, max_size=1) as store:
+        store._run("set jit = on")  # (the session's, whatever the server's default)
+        before = store._one("select current_setting('jit')")
+        with reading(store) as r:
+            assert r.one("clock")["now"] is not None
+            assert r.conn.execute("select current_setting('jit')").fetchone()["current_setting"] == "off"
+        assert store._one("select current_setting('jit')") == before == "on"
+
+
 def test_the_queries_file_is_well_formed() -> None:
     from monitor.dashboards.reads import queries
 

@@ -83,6 +83,11 @@ def reading(store: PostgresStore) -> Iterator[Reader]:
     try:
         with store.pool.connection() as conn, conn.transaction():
             conn.execute("set transaction isolation level repeatable read, read only")
+            # No JIT for these reads (for this transaction only): PostgreSQL compiles a plan whose
+            # cost passes jit_above_cost at every execution, and the cohort's plan passes it at 1 M
+            # tasks by the branch it does not run (old cohorts), so `fleet stats` paid 150 ms of
+            # compiling per cohort read (270 -> 122 ms at 7 days; bench/README.md, "JIT").
+            conn.execute("select set_config('jit', 'off', true)")
             yield Reader(conn)
     except (PoolTimeout, psycopg.OperationalError) as exc:
         if isinstance(exc, psycopg.OperationalError) and exc.sqlstate and exc.sqlstate[:2] not in ("08", "57"):
