@@ -433,3 +433,31 @@ def test_bad_input_is_one_line_and_writes_nothing(case: Bad, bad_runs: BadRuns) 
     if case.db == "empty":
         assert one_value(bad_runs.empty_url, "select to_regnamespace('fleet')") is None
         assert one_value(bad_runs.empty_url, "select to_regclass('supabase_migrations.schema_migrations')") is None
+
+
+def test_a_runs_lines_fit_the_width_and_break_between_fields() -> None:
+    """`fleet show` at 80 columns: a field (a model list, a token count) is never cut in two."""
+    from datetime import UTC, datetime
+    from decimal import Decimal
+
+    from worker.cli.tasks import run_lines
+    from worker.models import Run
+
+    run = Run(id=4, task_id=7, session_id=None, lane="bugfix", attempt=1,
+              started_at=datetime(2026, 12, 4, 18, 20, 23, tzinfo=UTC), ended_at=None, outcome="routed",
+              exit_code=0, tier=None, model="claude-sonnet-4-5,claude-haiku-4-5", agent_session=None,
+              input_tokens=12_345_678, cache_creation_tokens=1_000, cache_read_tokens=98_765_432,
+              output_tokens=3_000, reasoning_tokens=2_500, cost_usd=Decimal("0.092"), log_path=None,
+              error_tail=None, agent="generic", cost_source="reported")
+    for width in (80, 50):
+        lines = run_lines(run, width=width)
+        assert max(len(line) for line in lines) <= width, (width, lines)
+        text = "\n".join(lines)
+        for part in ("model claude-sonnet-4-5,claude-haiku-4-5", "tokens 12,345,678 in", "98,765,432 cache read",
+                      "3,000 out (2,500 reasoning)", "profile (lane command)", "cost $0.0920 (reported by the agent)"):
+            assert any(part in line for line in lines), (part, text)
+    assert run_lines(run, width=80)[1:4] == [
+        "    generic · tier - · profile (lane command) · pool -",
+        "      model claude-sonnet-4-5,claude-haiku-4-5",
+        "    tokens 12,345,678 in · 1,000 cache write · 98,765,432 cache read",
+    ]

@@ -168,7 +168,7 @@ def show(ctx: typer.Context, ref: TaskRef, lane: KeyLaneOpt = None, as_json: Jso
     if runs:
         console.print("runs:")
         for r in runs:
-            for line in run_lines(r):
+            for line in run_lines(r, width=console.width):
                 console.print(escape(line))
     events_table = FitTable([Col("event", "num"), Col("time", "key"), Col("kind", "key"), Col("detail")])
     for e in events:
@@ -180,23 +180,37 @@ _COST_SOURCE = {"reported": "reported by the agent", "computed": "computed from 
                 None: "no price for this model"}
 
 
-def run_lines(r: Run) -> list[str]:
-    """A run in a few lines that fit 80 columns: what ran it, what it spent, how it ended."""
+def packed(parts: list[str], width: int, indent: str = "    ", sep: str = " · ") -> list[str]:
+    """``parts`` joined by ``sep`` in lines of at most ``width`` columns, the first after
+    ``indent``, the next two columns further in; broken between parts only (a part too long for
+    a line gets one of its own)."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + len(sep) + len(part) <= width:
+            lines[-1] += sep + part
+        else:
+            lines.append((indent + "  " if lines else indent) + part)
+    return lines
+
+
+def run_lines(r: Run, width: int = 80) -> list[str]:
+    """A run in a few lines that fit ``width`` columns (broken between its fields): what ran it,
+    what it spent, how it ended."""
     ended = r.outcome or "running"
-    head = f"  run {r.id}  attempt {r.attempt}  {r.lane}  {ended}"
     if r.exit_code is not None:
-        head += f" (exit {r.exit_code})"
-    head += f"  {r.started_at.strftime('%Y-%m-%d %H:%M:%S')}"
+        ended += f" (exit {r.exit_code})"
+    head = [f"run {r.id}", f"attempt {r.attempt}", r.lane, ended, r.started_at.strftime("%Y-%m-%d %H:%M:%S")]
     who = [r.agent or "agent ?", f"tier {r.tier or '-'}", f"profile {r.profile or '(lane command)'}",
            f"pool {r.pool or '-'}", f"model {r.model or '-'}"]
-    tokens = (f"{r.input_tokens:,} in · {r.cache_creation_tokens:,} cache write · "
-              f"{r.cache_read_tokens:,} cache read · {r.output_tokens:,} out")
+    tokens = [f"tokens {r.input_tokens:,} in", f"{r.cache_creation_tokens:,} cache write",
+              f"{r.cache_read_tokens:,} cache read", f"{r.output_tokens:,} out"]
     if r.reasoning_tokens:
-        tokens += f" ({r.reasoning_tokens:,} reasoning)"
+        tokens[-1] += f" ({r.reasoning_tokens:,} reasoning)"
     spent = f"${r.cost_usd:.4f}"
     if r.cost_usd or r.cost_source:
         spent += f" ({_COST_SOURCE.get(r.cost_source, r.cost_source)})"
-    lines = [head, "    " + " · ".join(who), f"    tokens {tokens}", f"    cost {spent}"]
+    lines = [*packed(head, width, indent="  ", sep="  "), *packed(who, width), *packed(tokens, width),
+             f"    cost {spent}"]
     if r.reason or r.gate:
         lines.append("    " + "  ".join(x for x in (f"reason {r.reason}" if r.reason else "",
                                                      f"gate {r.gate}" if r.gate else "") if x))
