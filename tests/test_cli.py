@@ -454,7 +454,7 @@ def test_a_runs_lines_fit_the_width_and_break_between_fields() -> None:
         assert max(len(line) for line in lines) <= width, (width, lines)
         text = "\n".join(lines)
         for part in ("model claude-sonnet-4-5,claude-haiku-4-5", "tokens 12,345,678 in", "98,765,432 cache read",
-                      "3,000 out (2,500 reasoning)", "profile (lane command)", "cost $0.0920 (reported by the agent)"):
+                     "3,000 out (2,500 reasoning)", "profile (lane command)", "cost $0.0920 (reported by the agent)"):
             assert any(part in line for line in lines), (part, text)
     assert run_lines(run, width=80)[1:4] == [
         "    generic · tier - · profile (lane command) · pool -",
