@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from uuid import UUID
 
 import structlog
@@ -75,6 +75,7 @@ from worker.shift.fence import Fence, term_window
 from worker.shift.guard import GuardServer
 from worker.shift.limits import judge
 from worker.shift.progress import Marks, over_budget, progress_marks, waiting_for
+from worker.shift.storable import StorableStore
 from worker.store.protocol import Store
 from worker.workspace.disk import disk_use
 from worker.workspace.files import write_atomic
@@ -128,6 +129,7 @@ class Job:
     fenced: bool = False  # the shift's lease was not renewed in time: stopped, to be handed off
     checkpoint_mtime: float | None = None
     checkpoint: Any = None
+    refused_checkpoint: tuple[float, Any] | None = None  # (mtime, data) the database refused
     # the verify gate runs in ``agent``'s place once the agent exited 0 (or at once, for a task an
     # operator resumed): ``gate_until`` is its deadline (monotonic)
     gate_until: float | None = None
@@ -169,7 +171,8 @@ class Shift:
     def __init__(self, store: Store, cfg: FleetConfig, lane: str, *, max_seconds: float | None = None,
                  max_tasks: int | None = None, slots: int | None = None, once: bool = False,
                  poll_seconds: float = 0.5, host: str | None = None) -> None:
-        self.store = store
+        # what it sends comes in part from its agents: made storable on the way (worker.shift.storable)
+        self.store: Store = cast(Store, StorableStore(store))
         self.cfg = cfg
         self.lane_name = lane
         self.lane: LaneConfig = cfg.lane(lane)
@@ -658,10 +661,13 @@ class Shift:
     def count(self, outcome: str) -> None:
         self.summary.outcomes[outcome] = self.summary.outcomes.get(outcome, 0) + 1
 
-    def _call(self, task_id: int, fn: Callable[[], str], outcome: str, *, retry: bool = False) -> str | None:
+    def _call(self, task_id: int, fn: Callable[[], str], outcome: str, *, retry: bool = False,
+              refused: Callable[[FleetError], Callable[[], str]] | None = None) -> str | None:
         """Make one fenced final call. A lost lease is logged, not raised; a connection failure
         leaves the call pending, to be made again (the lease stays ours meanwhile: the
-        heartbeat names the task)."""
+        heartbeat names the task). A call the database refuses is the task's problem, never the
+        shift's: ``refused(error)`` is the call made instead (a failure that says why), else it is
+        logged and the task, no longer named by a heartbeat, goes back to the queue."""
         try:
             state = fn()
         except LeaseLost as exc:
@@ -674,6 +680,12 @@ class Shift:
         except DatabaseUnavailable as exc:
             self.log.warning("final call failed; will retry", task=task_id, outcome=outcome, error=str(exc))
             self.pending[task_id] = (fn, outcome)
+            return None
+        except FleetError as exc:
+            if refused is not None:
+                return self._call(task_id, refused(exc), "failed", retry=retry)
+            self.log.error("final call refused by the database", task=task_id, outcome=outcome, error=str(exc))
+            self.count("refused")
             return None
         self.count(_COUNT_BY_STATE.get(str(state), "failed") if outcome == VERDICT else outcome)
         return str(state)
@@ -689,7 +701,7 @@ class Shift:
         if cp is None:
             return
         data, mtime = cp
-        if mtime == job.checkpoint_mtime and data == job.checkpoint:
+        if (mtime, data) in ((job.checkpoint_mtime, job.checkpoint), job.refused_checkpoint):
             return
         try:
             seq = self.store.checkpoint(job.task.id, job.token, data)
@@ -698,6 +710,10 @@ class Shift:
             return
         except DatabaseUnavailable as exc:
             self.log.warning("checkpoint not stored yet", task=job.task.id, error=str(exc))
+            return
+        except FleetError as exc:  # the agent's file (a checkpoint of null): sent again when it changes
+            self.log.warning("checkpoint refused", task=job.task.id, error=str(exc))
+            job.refused_checkpoint = (mtime, data)
             return
         job.checkpoint, job.checkpoint_mtime = data, mtime
         self.log.info("checkpoint stored", task=job.task.id, seq=seq)
@@ -878,11 +894,10 @@ class Shift:
                 log.info("attempt failed: bad route file", state=state)
             elif route is not None:
                 target, note = str(route["lane"]), route.get("note")
-                try:
-                    state = self._call(tid, lambda: self.store.route(tid, token, target, note), "routed")
-                except FleetError as exc:  # unknown lane, refused route: the agent's mistake
-                    error = f"route to {target!r} refused: {exc}"
-                    state = self._call(tid, lambda: self.store.fail(tid, token, error), "failed")
+                # an unknown lane, a refused route: the agent's mistake, a failed attempt
+                state = self._call(tid, lambda: self.store.route(tid, token, target, note), "routed",
+                                   refused=lambda exc: lambda: self.store.fail(
+                                       tid, token, f"route to {target!r} refused: {exc}"))
                 if state is not None:  # else _call said why (refused, or pending)
                     log.info("routed", to=target, state=state)
             else:
@@ -985,6 +1000,10 @@ class Shift:
         except DatabaseUnavailable as exc:
             self.log.warning("heartbeat failed; will try again", error=str(exc),
                              lease_left=_rounded(self._fence.remaining()))
+            return
+        except FleetError as exc:  # never the shift's end: the fence stops the agents if it lasts
+            self.log.error("heartbeat refused; will try again", error=str(exc),
+                           lease_left=_rounded(self._fence.remaining()))
             return
         if statuses.valid_for is not None:
             self._grant = statuses.valid_for
