@@ -514,7 +514,7 @@ def test_a_task_routed_from_bugfix_to_review_keeps_its_id_and_stage_history(flee
 
     t = f.task(refused)
     assert (t["lane"], t["state"], t["failures"]) == ("bugfix", "dead", 1)
-    assert "refused" in t["last_error"]
+    assert "route to 'docs' refused" in t["last_error"]
     assert [r["outcome"] for r in f.runs(refused)] == ["failed"]
 
     assert f.run_shift("review").outcomes == {"done": 1}
