@@ -397,6 +397,51 @@ def test_sigterm_hands_off_running_tasks_and_the_next_shift_resumes_them_first(f
         assert "session-arg=[] session-env=[]" in Path(f.runs(task_id)[0]["log_path"]).read_text()
 
 
+def test_an_agent_the_stop_signal_reached_first_is_handed_off_not_failed(fleet_of, monkeypatch) -> None:
+    """systemd's stop (KillMode=control-group) sends SIGTERM to the shift and its agents at once:
+    an agent that ends of it before the shift stops its agents is handed off like them, with no
+    attempt spent (it was judged a failed attempt: its exit 143 was reaped as any other's)."""
+    f = fleet_of()
+    task_id = f.enqueue("work", "hang", {"mode": "hang"})
+    shift = f.shift("work", max_seconds=60)
+    hold, inside, release = threading.Event(), threading.Event(), threading.Event()
+    heartbeat = shift.store.heartbeat
+
+    def held(*args: Any, **kw: Any) -> Any:  # the main loop waits here while the test kills the agent
+        if hold.is_set():
+            inside.set()
+            release.wait(20)
+        return heartbeat(*args, **kw)
+
+    monkeypatch.setattr(shift.store, "heartbeat", held)
+    thread, out = run_in_thread(shift)
+    started: set[int] = set()
+    try:
+        job = wait_for("the agent to run", lambda: shift.jobs.get(task_id), timeout=20)
+        started = pids_using(f.workspace("work", "hang")) | {job.agent.pid}
+        hold.set()
+        assert inside.wait(20), "the shift never heartbeat"
+        os.kill(job.agent.pid, signal.SIGTERM)  # the signal reaches the agent first
+        wait_for("the agent to end", lambda: not alive(job.agent.pid) or _zombie(job.agent.pid), timeout=20)
+        shift.request_stop("SIGTERM")  # and then the shift's own handler runs
+        release.set()
+        summary = joined(thread, out)
+    finally:
+        release.set()
+        kill_leftovers(started)
+    assert summary.outcomes == {"handed_off": 1}, summary
+    t = f.task(task_id)
+    assert (t["state"], t["failures"], t["handoffs"]) == ("queued", 0, 1)
+    assert "SIGTERM" in t["handoff"]["reason"]
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
 # -- 5. SIGKILL: no agent outlives its shift
 
 

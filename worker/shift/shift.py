@@ -794,6 +794,12 @@ class Shift:
             "shift_session": str(self.session), "host": self.host,
         }
 
+    def _stopping(self, job: Job) -> bool:
+        """Whether the shift is stopping ``job``'s agent: it told it to, or a stop was asked
+        (the signal that stops a shift under systemd reaches its agents too, and one may end of
+        it before the shift tells them)."""
+        return job.stopping or self._stop_reason is not None
+
     def _finish(self, job: Job, code: int) -> None:
         # stopped by its supervisor at the fence's moment while this shift could not act (frozen,
         # stalled): that is the fence's doing, not a failed attempt
@@ -829,11 +835,12 @@ class Shift:
             state = self._call(tid, lambda: self.store.block(tid, token, "budget", over), "blocked")
             log.warning("blocked: the run crossed the task's budget", spent=over, state=state)
             return
-        if code == EX_TEMPFAIL or ((job.stopping or job.fenced) and code != 0):
+        stopping = self._stopping(job)
+        if code == EX_TEMPFAIL or ((stopping or job.fenced) and code != 0):
             why = ("window-closing" if code == EX_TEMPFAIL and job.window_closing is not None
                    else "agent asked to hand off (exit 75)" if code == EX_TEMPFAIL
                    else "stopped before the shift's lease could run out (it could not be renewed in time)"
-                   if job.fenced and not job.stopping else f"shift ended ({self._stop_reason})")
+                   if job.fenced and not stopping else f"shift ended ({self._stop_reason})")
             snap = self._snapshot(job, why, code, reading.session_id)
             if why == "window-closing":
                 snap["window_closing"] = job.window_closing
@@ -939,9 +946,10 @@ class Shift:
             self.count(job.killed)
             return
         self._touch_workspace(job.task, job.ws)
-        if (job.stopping or job.fenced) and code != 0:  # stopped under the gate: the next shift re-runs it
+        stopping = self._stopping(job)
+        if (stopping or job.fenced) and code != 0:  # stopped under the gate: the next shift re-runs it
             why = ("stopped during the verify gate before the shift's lease could run out" if job.fenced
-                   and not job.stopping else f"shift ended during the verify gate ({self._stop_reason})")
+                   and not stopping else f"shift ended during the verify gate ({self._stop_reason})")
             snap = self._snapshot(job, why, code, None)
             tid, token = job.task.id, job.token
             self._call(tid, lambda: self.store.hand_off(tid, token, snap), "handed_off")
