@@ -8,13 +8,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fleetkit import AGENT, Backend, Fleet, lane_defaults
+from fleetkit import AGENT, Backend, Fleet, lane_defaults, wait_for
 
 from worker.config import FleetConfig, ProfileConfig, load_config
 from worker.errors import ConfigError, InvalidInput, InvalidState
@@ -38,6 +39,11 @@ with open(os.environ["GATE_CALLS"], "a") as fh:
 mode = payload.get("gate", "ok")
 if mode == "flag":
     mode = "ok" if Path(payload["flag"]).exists() else "unavailable"
+if mode == "wait":  # a slow suite: passes once the flag exists
+    import time
+    while not Path(payload["flag"]).exists():
+        time.sleep(0.05)
+    mode = "ok"
 if mode == "ok":
     print("12 passed")
     sys.exit(0)
@@ -402,6 +408,37 @@ def test_usage_limit_detection_patterns_codes_and_backoff() -> None:
 ])
 def test_classify_gate(code: int, output: str, timed_out: bool, outcome: str) -> None:
     assert classify_gate(code, output, timed_out=timed_out)[0] == outcome
+
+
+def test_a_shift_that_stops_under_the_gate_hands_off_and_the_next_attempt_runs_the_gate_only(
+        dispatch_fleet, tmp_path: Path) -> None:
+    """The agent's work is done (exit 0) and its gate runs when the shift is told to stop: the
+    task is handed off marked verify_pending, on the session that did the work, and the next
+    shift runs the gate alone (it ran the agent again from the start)."""
+    fleet = dispatch_fleet({"work": gated(tmp_path, grace_seconds=1)}, two_pools())
+    flag = tmp_path / "the-suite-passes"
+    task = fleet.enqueue("work", "t", {**QUICK, "gate": "wait", "flag": str(flag)})
+    shift = fleet.shift("work", max_seconds=60)
+    thread = threading.Thread(target=shift.run, daemon=True)
+    thread.start()
+    calls = tmp_path / "gate-calls"
+    wait_for("the gate to run", lambda: calls.exists() and calls.read_text().split() == ["t"], timeout=30)
+    shift.request_stop("SIGTERM")
+    thread.join(30)
+    assert not thread.is_alive()
+    t = fleet.task(task)
+    assert (t["state"], t["verify_pending"], t["failures"], t["handoffs"]) == ("queued", True, 0, 1)
+    first = fleet.runs(task)[0]
+    assert first["outcome"] == "handed_off" and first["agent_session"]
+    assert t["handoff"]["agent_session"] == first["agent_session"] and t["handoff"]["verify_pending"] is True
+
+    flag.write_text("yes")
+    fleet.run_shift("work", max_tasks=1)
+    t = fleet.task(task)
+    assert (t["state"], t["verify_pending"]) == ("done", False)
+    again = fleet.runs(task)[1]
+    assert again["gate"] == "ok" and not Path(again["log_path"]).exists(), "the agent ran again"
+    assert calls.read_text().split() == ["t", "t"]
 
 
 def test_a_slow_gate_times_out_as_automation_broken(dispatch_fleet, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ begin
     update fleet.tasks t
        set state = d.state, result = p_result, updated_at = now(),
            finished_at = case when d.state = 'done' then now() end,
-           attention = null, attention_at = null,
+           attention = null, attention_at = null, verify_pending = false,
            lease_token = null, lease_expires_at = null, session_id = null
       -- (offset 0: the subquery stays one, so its done state is asked once, not for each use)
       from (select x.id, fleet._done_state(x.lane, x.id) as state
@@ -102,7 +102,7 @@ begin
         update fleet.tasks t
            set state = h.state, result = h.result, updated_at = now(),
                finished_at = case when h.state = 'done' then now() end,
-               attention = null, attention_at = null,
+               attention = null, attention_at = null, verify_pending = false,
                lease_token = null, lease_expires_at = null, session_id = null
           from held h
          where t.id = h.id
@@ -226,6 +226,9 @@ begin
            agent_session_profile = case when p_snapshot ->> 'agent_session' is not null then t.run_profile
                                         else agent_session_profile end,
            carry_over = (v_state = 'queued'),
+           -- work the agent finished and its verify gate had not judged when the shift stopped:
+           -- the next attempt runs the gate only (as fleet.resume of a gate's block does)
+           verify_pending = verify_pending or coalesce(p_snapshot -> 'verify_pending' = 'true', false),
            run_at = now(),
            dead_reason = case when v_state = 'dead' then 'handoff-cap' end,
            finished_at = case when v_state = 'dead' then now() end,

@@ -950,12 +950,22 @@ class Shift:
         if (stopping or job.fenced) and code != 0:  # stopped under the gate: the next shift re-runs it
             why = ("stopped during the verify gate before the shift's lease could run out" if job.fenced
                    and not stopping else f"shift ended during the verify gate ({self._stop_reason})")
-            snap = self._snapshot(job, why, code, None)
-            tid, token = job.task.id, job.token
-            self._call(tid, lambda: self.store.hand_off(tid, token, snap), "handed_off")
+            self._hand_off_to_gate(job, why, job.result, code)
             return
         outcome, evidence = classify_gate(code, tail(job.agent.log_path, 8000), timed_out=timed_out)
         self._end_gate(job, outcome, evidence)
+
+    def _hand_off_to_gate(self, job: Job, why: str, reading: Reading | None, code: int) -> None:
+        """Hand off work the agent finished (exit 0) that its gate has not judged: committed and
+        pushed as at any hand-off, and marked so that the next attempt runs the gate only
+        (``verify_pending``), on the agent session that did the work."""
+        snap = self._snapshot(job, why, code, reading.session_id if reading is not None else None)
+        snap["verify_pending"] = True
+        self._git_push(job, commit_wip=True)
+        tid, token = job.task.id, job.token
+        state = self._call(tid, lambda: self.store.hand_off(tid, token, snap), "handed_off")
+        if state is not None:
+            self.log.info("handed off before its verify gate judged the work", task=tid, state=state, why=why)
 
     def _end_gate(self, job: Job, outcome: str, evidence: str) -> None:
         """Report the gate's outcome; fleet.gate_verdict decides what it does to the task (ok: done;
