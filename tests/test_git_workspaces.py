@@ -124,3 +124,37 @@ def test_a_branch_that_diverged_from_origin_blocks_the_task_for_a_person(git_fle
     mine = git("log", "--format=%s", cwd=fleet.workspace("code", "t")).splitlines()
     assert mine == ["t: step 1/1 (attempt 1)", "initial"], "and so is this host's"
     assert fleet.runs(task)[-1]["outcome"] == "blocked"
+
+
+def test_a_long_wait_on_the_mirror_keeps_every_lease_the_shift_holds(git_fleet) -> None:
+    """Another shift on the host holds the mirror (a long fetch) for two leases while this shift
+    prepares a task's worktree: a thread heartbeats meanwhile, so the running agent is not fenced
+    and the claimed task is not released (the main loop, parked in git, heartbeat neither)."""
+    import fcntl
+    import os
+    import threading
+    import time
+
+    from fleetkit import wait_for
+
+    fleet = git_fleet(lease_seconds=3, max_running=2)  # a heartbeat every second
+    running = fleet.enqueue("code", "running", {"steps": 120, "sleep": 0.1})
+    shift = fleet.shift("code", slots=2, max_tasks=2, max_seconds=60)
+    thread = threading.Thread(target=shift.run, daemon=True)
+    thread.start()
+    wait_for("the first agent to run", lambda: running in shift.jobs, timeout=30)
+    fd = os.open(shift.mirror().lock_path, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as another process fetching the mirror would
+        waiting = fleet.enqueue("code", "waiting", {"steps": 1, "sleep": 0.02})
+        wait_for("the second task to be claimed", lambda: fleet.task(waiting)["state"] == "running", timeout=30)
+        time.sleep(7)  # two leases and more, the main loop waiting on the lock
+        assert fleet.task(waiting)["state"] == "running" and running in shift.jobs
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    thread.join(60)
+    assert not thread.is_alive()
+    for task in (running, waiting):
+        t = fleet.task(task)
+        assert (t["state"], t["attempts"], t["handoffs"], t["evaporations"]) == ("done", 1, 0, 0), t["key"]

@@ -27,7 +27,8 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -193,6 +194,10 @@ class Shift:
         # final calls (complete, fail, ...) that hit a connection failure: retried each loop until
         # answered; a retry is safe because the lease token fences it. Each keeps its slot busy.
         self.pending: dict[int, tuple[Callable[[], str], str]] = {}
+        # tasks this session holds whose agent is not running: claimed and not started yet, or
+        # ended and not yet answered for (their branch being pushed). Named by every heartbeat,
+        # which would otherwise release them.
+        self.held: set[int] = set()
         self.summary = ShiftSummary()
         self._stop_reason: str | None = None
         self._wake = threading.Event()
@@ -324,9 +329,13 @@ class Shift:
         else:
             self._busy_at_empty, self._next_claim = busy, now + self._claim_delay
             self._claim_delay = min(self._claim_delay * 2, max(self.poll_seconds, IDLE_CLAIM_MAX))
+        self.held.update(t.id for t in tasks)
         for task in tasks:
             self.summary.claimed += 1
-            self._start(task)
+            try:
+                self._start(task)
+            finally:
+                self.held.discard(task.id)
         return tasks
 
     def _compose_batch(self) -> None:
@@ -611,7 +620,8 @@ class Shift:
         (commits kept) by later attempts on this host, recreated from the pushed branch on another."""
         from worker.workspace.git import ensure_task_worktree
 
-        return str(ensure_task_worktree(self.mirror(), ws.root, self._branch(task), self.lane.base))
+        with self._keepalive():
+            return str(ensure_task_worktree(self.mirror(), ws.root, self._branch(task), self.lane.base))
 
     def _git_push(self, job: Job, *, commit_wip: bool) -> None:
         """Push the task's branch so another host can continue from it (at a hand-off, uncommitted
@@ -620,14 +630,38 @@ class Shift:
             return
         from worker.workspace.git import commit_all, push
 
+        self.held.add(job.task.id)  # its agent has ended: its final call comes after the push
         try:
-            if commit_wip:
-                commit_all(self.mirror(), job.ws.root,
-                           f"lanefleet: work in progress of {job.task.key} at hand-off (attempt {job.task.attempts})")
-            sha = push(self.mirror(), self._branch(job.task))
+            with self._keepalive():
+                if commit_wip:
+                    commit_all(self.mirror(), job.ws.root,
+                               f"lanefleet: work in progress of {job.task.key} at hand-off (attempt {job.task.attempts})")
+                sha = push(self.mirror(), self._branch(job.task))
             self.log.info("branch pushed", task=job.task.id, branch=self._branch(job.task), head=str(sha)[:12])
         except FleetError as exc:
             self.log.warning("could not push the task's branch", task=job.task.id, error=str(exc))
+        finally:
+            self.held.discard(job.task.id)
+
+    @contextmanager
+    def _keepalive(self) -> Iterator[None]:
+        """Heartbeat from a thread while the main loop waits on git (a fetch of a large repository,
+        another shift's hold on this host's mirror: minutes, past a lease), so that the other
+        agents' leases, the session's and the tasks it holds (:attr:`held`) are renewed meanwhile.
+        The main loop is parked here: the thread has the shift's state to itself."""
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(self.heartbeat_every):
+                self._heartbeat()
+
+        thread = threading.Thread(target=beat, name="lanefleet-keepalive", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
     def _workspace(self, task: Task, log: Any) -> Workspace:
         """The task's directory on this host: the one its row names (a workspace made under an
@@ -1005,8 +1039,8 @@ class Shift:
             progressed += [tid for tid, runner in self.batches.items() if runner.progressed()]
             attention.update({tid: w for tid, runner in self.batches.items() if (w := runner.attention())})
             sent = time.monotonic()
-            statuses = self.store.heartbeat(self.session, [*self.jobs, *self.pending, *self.batches], progressed,
-                                            attention)
+            statuses = self.store.heartbeat(self.session, [*self.jobs, *self.pending, *self.batches, *self.held],
+                                            progressed, attention)
         except SessionLost as exc:
             self.log.error("session lost: stopping every agent", error=str(exc))
             self._lost = True
