@@ -152,3 +152,41 @@ def test_a_pull_request_merged_outside_the_fleet_ends_its_task(db_url: str, tmp_
         assert not w.events(task["id"], "cancelled")
     finally:
         w.fleet.close()
+
+
+def test_an_issue_reopened_after_its_merge_is_judged_on_a_new_pull_request(db_url: str, tmp_path: Path,
+                                                                            origin: Path,
+                                                                            github: GitHubStandIn) -> None:
+    """The merge that closed it does not end the reopened task again: its pull request is let go
+    (named in the reopen's event), the next attempt opens its own, and nothing is posted twice."""
+    w = World(Backend("postgres", db_url), tmp_path, github, ci_lanes(origin), git_dir=origin)
+    try:
+        n = github.add_issue(REPO, "merge me", "", ["fleet:bugfix"])
+        w.sync()
+        task = to_ci(w, n)
+        w.sync()
+        (old,) = github.pulls_of(REPO).values()
+        merge = github.merge_pull(REPO, old.number)
+        github.close_issue(REPO, n)  # by its "Fixes #n"
+        w.sync()
+        assert w.task_of(n)["state"] == "done"
+        assert len(github.comments_of(REPO, n)) == 1
+
+        github.reopen_issue(REPO, n)  # the fix was not enough
+        assert w.sync().actions["requeued"] == 1
+        w.sync()  # the old pull request's merge is not read as this attempt's
+        task = w.task_of(n)
+        assert task["state"] == "queued"
+        item = w.item(n)
+        assert (item["pr_number"], item["merged_at"], item["merged_sha"], item["pr_state"]) == (None,) * 4
+        reopened = w.events(task["id"], "external_advance")[-1]
+        assert (reopened["reason"], reopened["pr"], reopened["merged_sha"]) == ("reopened", old.number, merge)
+
+        to_ci(w, n)  # the next attempt: a pull request of its own, judged by its checks
+        assert w.sync().actions["pull requests opened"] == 1
+        new = max(github.pulls_of(REPO))
+        assert new != old.number and w.item(n)["pr_number"] == new
+        assert w.task_of(n)["state"] == "ci"
+        assert len(github.comments_of(REPO, n)) == 1
+    finally:
+        w.fleet.close()

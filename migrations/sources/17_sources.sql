@@ -102,7 +102,8 @@ grant execute on function fleet.source_end(text,jsonb,timestamptz,timestamptz,te
 -- "updated_at"}. An open, selected item with no task becomes one (fleet.enqueue_task: its key, its
 -- lane); one that was open and selected and is now closed or unselected cancels its live task
 -- (external_advance, reason closed or unselected: a running agent stops at its next heartbeat);
--- one that was not and is again queues its done or cancelled task again (reason reopened). Two
+-- one that was not and is again queues its done or cancelled task again (reason reopened; its
+-- pull request let go, named in the event, so that the next attempt opens its own). Two
 -- hosts syncing the same item at once: the row lock orders them and the second changes nothing.
 -- Returns (ref, task_id, action, note): created | linked | updated | cancelled | requeued |
 -- unchanged | ignored | refused (note: why the item cannot be a task of its lane; the rest go on).
@@ -191,8 +192,18 @@ begin
                     'source', p_source, 'ref', i.ref));
                 v_action := 'cancelled';
             elsif v_now and not v_was and t.state in ('done', 'cancelled') then
+                -- the pull request of the attempt before (merged, closed or open) is let go: the
+                -- next attempt opens its own and is judged on it, not ended by the old one's merge.
+                -- The journal keeps which it was; the item keeps its CI per SHA and a regression.
                 perform fleet._requeue(t, 'external_advance', jsonb_build_object(
-                    'reason', 'reopened', 'source', p_source, 'ref', i.ref));
+                    'reason', 'reopened', 'source', p_source, 'ref', i.ref)
+                    || case when i.pr_number is null then '{}'::jsonb else jsonb_build_object(
+                           'pr', i.pr_number, 'pr_url', i.pr_url, 'pr_state', i.pr_state, 'head_sha', i.head_sha,
+                           'merged_sha', i.merged_sha, 'merged_at', i.merged_at, 'ci_fixes', i.ci_fixes) end);
+                update fleet.source_items x
+                   set pr_number = null, pr_url = null, pr_state = null, head_sha = null, merged_sha = null,
+                       merged_at = null, ci_fixes = 0
+                 where x.id = i.id;
                 v_action := 'requeued';
             elsif v_now and t.state = 'queued' and t.attempts = 0
                   and (t.title is distinct from e ->> 'title' or t.payload is distinct from coalesce(e -> 'payload', '{}')) then

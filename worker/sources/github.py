@@ -234,7 +234,9 @@ class GitHub:
                     f"take label {label!r} off #{number}", ok=(404,))  # not there: as good as removed
 
     def pull_request_for(self, branch: str) -> PullRequest | None:
-        query = urlencode({"state": "all", "head": f"{self.owner}:{branch}", "per_page": PER_PAGE})
+        # open ones only: a closed or merged one of the branch was an earlier attempt's (an issue
+        # reopened after its merge), and the attempt now in ci is judged on a pull request of its own
+        query = urlencode({"state": "open", "head": f"{self.owner}:{branch}", "per_page": PER_PAGE})
         pulls, _ = self._pages(self._repo(f"/pulls?{query}"), lambda body: [_pull(p) for p in body],
                                f"find the pull request of {branch}")
         return _pull_request(pulls[0]) if pulls else None

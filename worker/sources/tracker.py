@@ -132,7 +132,8 @@ class Tracker(Protocol):
     def remove_label(self, number: int, label: str) -> None: ...
 
     def pull_request_for(self, branch: str) -> PullRequest | None:
-        """The pull request (open or closed) whose head is ``branch``, if any."""
+        """The open pull request whose head is ``branch``, if any (a closed or merged one was an
+        earlier attempt's)."""
         ...
 
     def open_pull_request(self, branch: str, base: str, title: str, body: str) -> PullRequest: ...
