@@ -21,7 +21,12 @@ not in the description, the stand-in does what api.github.com does:
   ``/repos/{owner}/{repo}/...`` form of the URL (GitHub sometimes writes ``/repositories/{id}/...``,
   which the description does not list);
 - ``GET .../actions/jobs/{job_id}/logs`` redirects (302) to a plain-text log served outside the API
-  at ``/_logs/{job_id}``, without authentication, like GitHub's signed log URLs.
+  at ``/_logs/{job_id}``, without authentication, like GitHub's signed log URLs;
+- an issue deleted (``delete_issue``) leaves every list and its number is never given again; a
+  request about it answers 410 Gone; one transferred (``transfer_issue``) leaves its repository's
+  lists and answers 301 Moved Permanently (``Location``: where it went) where the description
+  declares a 301 (the issue, its labels), else 404, as GitHub answers for an issue moved to a
+  repository the token cannot read.
 """
 
 from __future__ import annotations
@@ -105,6 +110,8 @@ class _Repo:
     milestones: dict[str, o.MilestoneRec] = field(default_factory=dict)
     runs: list[o.RunRec] = field(default_factory=list)
     pushed_at: str = ""
+    # issues no longer here: deleted (None) or transferred (the API URL of the issue where it went)
+    gone: dict[int, str | None] = field(default_factory=dict)
 
 
 def _git(git_dir: Path, *args: str, env: Mapping[str, str] | None = None) -> tuple[int, str]:
@@ -233,6 +240,33 @@ class GitHubStandIn:
             i.state, i.state_reason, i.closed_at = "open", "reopened", None
             i.updated_at = self._stamp()
 
+    def delete_issue(self, repo: str, number: int) -> None:
+        """An admin deletes the issue: it and its comments are gone; asked about, GitHub answers 410."""
+        with self._lock:
+            r = self._repo_or_raise(repo)
+            i = self._issue_or_raise(repo, number)
+            if i.is_pull:
+                raise ValueError(f"{repo}#{number} is a pull request: GitHub does not delete those")
+            del r.issues[number]
+            r.comments.pop(number, None)
+            r.gone[number] = None
+
+    def transfer_issue(self, repo: str, number: int, to: str) -> int:
+        """Move the issue to repository ``to`` (its labels and comments with it); its number there."""
+        with self._lock:
+            r, dest = self._repo_or_raise(repo), self._repo_or_raise(to)
+            i = self._issue_or_raise(repo, number)
+            if i.is_pull:
+                raise ValueError(f"{repo}#{number} is a pull request: only issues are transferred")
+            new = self._next_number(dest)
+            del r.issues[number]
+            i.number, i.milestone, i.updated_at = new, None, self._stamp()
+            i.labels = [self._label(dest, n)[1] for n in i.labels]
+            dest.issues[new] = i
+            dest.comments[new] = r.comments.pop(number, [])
+            r.gone[number] = f"{self.url}/repos/{dest.info.full_name}/issues/{new}"
+            return new
+
     def set_labels(self, repo: str, number: int, labels: Iterable[str]) -> None:
         with self._lock:
             r = self._repo_or_raise(repo)
@@ -321,7 +355,7 @@ class GitHubStandIn:
         return self._ids
 
     def _next_number(self, r: _Repo) -> int:
-        return max(r.issues, default=0) + 1
+        return max([*r.issues, *r.gone], default=0) + 1
 
     def _stamp(self) -> str:
         """Now, in whole seconds; a second after the last stamp if that is not earlier."""
@@ -620,7 +654,8 @@ class GitHubStandIn:
         except ValueError:
             return Reply(400, o.error("Problems parsing JSON", doc, 400))
         try:
-            return answer(self, _Call(r, params, query, data, doc, path))
+            return answer(self, _Call(r, params, query, data, doc, path,
+                                      frozenset(str(k) for k in op.spec.get("responses") or {})))
         except _Refused as refused:
             return refused.reply
 
@@ -669,12 +704,23 @@ class _Call:
     data: Any
     doc: str  # the operation's documentation_url
     path: str
+    statuses: frozenset[str] = frozenset()  # what the description says the operation may answer
 
     def number(self, name: str) -> int:
         return _int(self.params.get(name), -1)
 
     def not_found(self, message: str = "Not Found") -> _Refused:
         return _Refused(Reply(404, o.error(message, self.doc, 404)))
+
+    def gone(self, number: int) -> _Refused:
+        """The answer about an issue deleted or transferred (the module docstring)."""
+        moved = self.repo.gone[number]
+        if moved is None:
+            return _Refused(Reply(410, o.error("This issue was deleted", self.doc, 410)))
+        if "301" not in self.statuses:
+            return self.not_found()
+        where = moved + self.path.split(f"/issues/{number}", 1)[1]
+        return _Refused(Reply(301, o.error("Moved Permanently", self.doc, 301, url=where), {"location": where}))
 
     def invalid(self, *errors: dict[str, Any]) -> _Refused:
         return _Refused(Reply(422, o.error("Validation Failed", self.doc, 422, errors=list(errors))))
@@ -724,16 +770,14 @@ def list_issues(gh: GitHubStandIn, c: _Call) -> Reply:
 
 
 def get_issue(gh: GitHubStandIn, c: _Call) -> Reply:
-    i = c.repo.issues.get(c.number("issue_number"))
-    if i is None:
-        raise c.not_found()
-    return Reply(200, gh._issue_obj(c.repo, i))
+    return Reply(200, gh._issue_obj(c.repo, _issue(c)))
 
 
 def _issue(c: _Call) -> o.IssueRec:
-    i = c.repo.issues.get(c.number("issue_number"))
+    number = c.number("issue_number")
+    i = c.repo.issues.get(number)
     if i is None:
-        raise c.not_found()
+        raise c.gone(number) if number in c.repo.gone else c.not_found()
     return i
 
 

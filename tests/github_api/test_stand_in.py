@@ -137,6 +137,30 @@ def test_a_pull_request_for_a_head_that_has_one_gets_githubs_422(gh: GitHubStand
     assert gh.problems == []
 
 
+def test_a_deleted_issue_is_gone_and_a_transferred_one_moved(gh: GitHubStandIn) -> None:
+    gh.add_repo("acme/elsewhere")
+    kept, moved, deleted = gh.add_issue(REPO, "k"), gh.add_issue(REPO, "m", labels=["bug"]), gh.add_issue(REPO, "d")
+    gh.delete_issue(REPO, deleted)
+    there = gh.transfer_issue(REPO, moved, "acme/elsewhere")
+    with client(gh) as c:
+        assert [i["number"] for i in c.get(f"/repos/{REPO}/issues").json()] == [kept]
+        for method, path, body in [("GET", "", None), ("GET", "/comments", None),
+                                   ("POST", "/comments", {"body": "hi"}), ("POST", "/labels", {"labels": ["x"]}),
+                                   ("DELETE", "/labels/bug", None)]:
+            gone = c.request(method, f"/repos/{REPO}/issues/{deleted}{path}", json=body)
+            assert (gone.status_code, gone.json()["message"]) == (410, "This issue was deleted"), path
+        issue = c.get(f"/repos/{REPO}/issues/{moved}")
+        assert issue.status_code == 301
+        assert issue.headers["location"] == issue.json()["url"] == f"{gh.url}/repos/acme/elsewhere/issues/{there}"
+        labels = c.post(f"/repos/{REPO}/issues/{moved}/labels", json={"labels": ["x"]})
+        assert labels.status_code == 301 and labels.headers["location"].endswith(f"/issues/{there}/labels")
+        # the description declares no 301 for the comments: GitHub's 404, as for a repository the token cannot read
+        assert c.get(f"/repos/{REPO}/issues/{moved}/comments").status_code == 404
+        assert c.get(f"/repos/acme/elsewhere/issues/{there}").json()["labels"][0]["name"] == "bug"
+    assert gh.add_issue(REPO, "next") == deleted + 1  # a number is never given twice
+    assert gh.problems == []
+
+
 def test_pull_requests_are_in_the_issues_list(gh: GitHubStandIn) -> None:
     n = gh.add_issue(REPO, "an issue")
     with client(gh) as c:
