@@ -155,7 +155,7 @@ def source_passes(store: PostgresStore, cfg: FleetConfig) -> list[RepairAction]:
                              detail={"summary": f"the sources' pass failed: {exc}"})]
     for report in reports:
         changed = {a: n for a, n in report.actions.items() if a != "unchanged"}
-        if report.error or changed:
+        if report.error or changed or report.item_errors:
             out.append(RepairAction(action="source_failed" if report.error else "source_synced", lane=None,
                                     task_id=None, session_id=None,
                                     detail={"source": report.source, "summary": report.line(), **changed}))

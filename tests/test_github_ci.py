@@ -15,6 +15,7 @@ from github_api.stand_in import GitHubStandIn
 from gitkit import bare_origin, git
 from test_github_source import REPO, World
 
+from worker.errors import InvalidInput
 from worker.workspace.git import branch_name
 
 FAILED_LOG = ("============ FAILURES ============\n"
@@ -187,6 +188,46 @@ def test_an_issue_reopened_after_its_merge_is_judged_on_a_new_pull_request(db_ur
         new = max(github.pulls_of(REPO))
         assert new != old.number and w.item(n)["pr_number"] == new
         assert w.task_of(n)["state"] == "ci"
+        assert len(github.comments_of(REPO, n)) == 1
+    finally:
+        w.fleet.close()
+
+
+def test_a_branch_with_no_commits_blocks_its_task_and_the_pass_goes_on(db_url: str, tmp_path: Path,
+                                                                      origin: Path, github: GitHubStandIn) -> None:
+    """GitHub will not open a pull request of a branch with nothing over its base (422 "No commits
+    between"): the task is blocked for a person with GitHub's words, once; the pass still mirrors
+    the issues that came meanwhile."""
+    lanes = {"bugfix": lane_defaults(command=[*AGENT, "--script", "steps=1,sleep=0.05"], repo=str(origin), ci=True),
+             "docs": lane_defaults()}
+    w = World(Backend("postgres", db_url), tmp_path, github, lanes, git_dir=origin)
+    try:
+        n = github.add_issue(REPO, "nothing to change", "", ["fleet:bugfix"])
+        w.sync()
+        to_ci(w, n)  # its agent changed nothing: the branch is its base
+        later = github.add_issue(REPO, "a later issue", "", ["fleet:docs"])
+        report = w.sync()
+        assert report.error is None and not report.item_errors, report.line()
+        assert report.actions["blocked (no-commits)"] == 1 and report.actions["created"] == 1
+        task = w.task_of(n)
+        assert (task["state"], task["block_reason"]) == ("blocked", "no-commits")
+        assert "No commits between main and fleet/bugfix/" in task["last_error"]
+        assert w.task_of(later)["state"] == "queued"
+        (comment,) = github.comments_of(REPO, n)  # said once, for a person
+        assert "needs a person" in comment and "no-commits" in comment and "No commits between" in comment
+        assert "fleet:needs-attention" in github.labels_of(REPO, n)
+
+        ref = f"{REPO}#{n}"
+        with pytest.raises(InvalidInput, match="'nope' is not a reason a pull request was refused"):
+            w.fleet.monitor_store.source_call("source_pr_refused", {"p_source": "gh", "p_ref": ref,
+                                                                    "p_reason": "nope", "p_evidence": "x"})
+        with pytest.raises(InvalidInput, match=f"item {ref}: say why it is gone"):
+            w.fleet.monitor_store.source_call("source_gone", {"p_source": "gh", "p_ref": ref, "p_why": " "})
+        assert w.task_of(n)["state"] == "blocked" and w.item(n)["gone_at"] is None
+
+        w.sync()  # not asked again
+        opened = [r for r in github.requests if r.method == "POST" and r.path == f"/repos/{REPO}/pulls"]
+        assert len(opened) == 1 and not github.pulls_of(REPO)
         assert len(github.comments_of(REPO, n)) == 1
     finally:
         w.fleet.close()

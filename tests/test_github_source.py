@@ -27,6 +27,7 @@ from worker.config import load_config
 from worker.errors import ConfigError
 from worker.sources.github import GitHub
 from worker.sources.passes import PassReport, run_pass
+from worker.sources.tracker import SourceError
 from worker.store.postgres import PostgresStore
 
 REPO = "acme/widgets"
@@ -415,3 +416,85 @@ labels = {{ "fleet:bugfix" = "bugfix" }}
 """.replace("'", '"'))
     with pytest.raises(ConfigError, match=r"sources\.gh\.api_url: .*clear text; use https"):
         load_config(toml)
+
+
+# ------------------------------------------------------------------------------------------------
+# one item's trouble is that item's
+
+
+def test_issues_deleted_or_transferred_after_their_tasks_are_gone_and_the_others_written_back(
+        world: World) -> None:
+    gh = world.gh
+    gh.add_repo("acme/elsewhere")
+    deleted, moved, kept = (gh.add_issue(REPO, title, "", ["fleet:bugfix"]) for title in ("d", "m", "k"))
+    world.sync()
+    assert world.fleet.run_shift("bugfix", max_tasks=3).claimed == 3
+    gh.delete_issue(REPO, deleted)  # by an admin: GitHub answers 410
+    gh.transfer_issue(REPO, moved, "acme/elsewhere")  # to a repository of its own
+
+    report = world.sync()
+    assert not report.item_errors and report.actions["gone"] == 2, report.line()
+    (comment,) = gh.comments_of(REPO, kept)
+    assert "finished task" in comment
+    assert world.item(deleted)["gone_reason"] == "410: deleted" and world.item(moved)["gone_at"] is not None
+    for n in (deleted, moved):
+        task = world.task_of(n)
+        assert task["state"] == "done"  # finished: it stays so
+        assert world.events(task["id"], "source_item_gone")[-1]["ref"] == f"{REPO}#{n}"
+    assert world.fleet.sql("select last_error from fleet.sources")[0]["last_error"] is None
+
+    before = len(gh.requests)
+    world.sync()  # never asked about again
+    asked = {r.path for r in gh.requests[before:]}
+    assert not any(f"/issues/{n}/" in p or p.endswith(f"/issues/{n}") for n in (deleted, moved) for p in asked), asked
+
+
+def test_an_issue_transferred_while_its_task_runs_cancels_it(world: World) -> None:
+    gh = world.gh
+    gh.add_repo("acme/elsewhere")
+    n = gh.add_issue(REPO, "moving", "", ["fleet:bugfix"])
+    world.sync()
+    task = world.task_of(n)
+    (claimed,) = world.fleet.store.claim(world.fleet.store.open_session("bugfix", "h", 1, None, 60), 1)
+    assert claimed.id == task["id"]
+    gh.transfer_issue(REPO, n, "acme/elsewhere")  # its claim label gets GitHub's 301
+    report = world.sync()
+    assert report.actions["gone"] == 1 and not report.item_errors, report.line()
+    assert world.task_of(n)["state"] == "cancelled"
+    gone = world.events(task["id"], "external_advance")[-1]
+    assert gone["reason"] == "gone" and gone["why"].startswith("301: transferred to ") and gone["was"] == "running"
+    assert world.item(n)["gone_reason"] == gone["why"]
+
+
+class FailsFor(GitHub):
+    """GitHub failing every request about one issue (a 502 of its own)."""
+
+    failing = 0
+
+    def comments(self, number: int) -> list[tuple[int, str]]:
+        if number == self.failing:
+            raise SourceError(f"{self.what}: list the comments of #{number}: GitHub answered 502 Bad Gateway")
+        return super().comments(number)
+
+
+def test_one_items_error_is_named_and_the_pass_goes_on_then_tries_it_again(world: World) -> None:
+    gh = world.gh
+    bad, good = gh.add_issue(REPO, "bad", "", ["fleet:bugfix"]), gh.add_issue(REPO, "good", "", ["fleet:bugfix"])
+    world.sync()
+    assert world.fleet.run_shift("bugfix", max_tasks=2).claimed == 2
+    later = gh.add_issue(REPO, "later", "", ["fleet:docs"])
+    begun = world.fleet.monitor_store.source_call("source_begin", {"p_source": "gh", "p_kind": "github",
+                                                                   "p_lanes": ["bugfix", "docs"]})
+    failing = FailsFor(REPO, gh.token, api_url=gh.url, cache=begun["cache"], what="source gh")
+    failing.failing = bad
+    report = run_pass(world.fleet.monitor_store, world.fleet.cfg, "gh", tracker=failing)
+    assert report.error is None and report.actions["created"] == 1  # the sync step ran
+    assert report.item_errors == [f"{REPO}#{bad}: source gh: list the comments of #{bad}: GitHub answered 502 Bad Gateway"]
+    assert f"1 item(s) failed: {REPO}#{bad}: list the comments of #{bad}" in report.line()
+    assert world.task_of(later)["state"] == "queued" and len(gh.comments_of(REPO, good)) == 1
+    assert not gh.comments_of(REPO, bad)
+    assert f"{REPO}#{bad}" in world.fleet.sql("select last_error from fleet.sources")[0]["last_error"]
+
+    assert not world.sync().item_errors  # GitHub answers again: the next pass writes it back
+    assert len(gh.comments_of(REPO, bad)) == 1 and len(gh.comments_of(REPO, good)) == 1
+    assert world.fleet.sql("select last_error from fleet.sources")[0]["last_error"] is None

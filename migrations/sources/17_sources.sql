@@ -214,9 +214,11 @@ begin
                 v_action := 'updated';
             end if;
         end if;
+        -- (listed, it is there: an item the tracker once said was gone is not)
         update fleet.source_items x
            set open = (e ->> 'open')::boolean, selected = (e ->> 'selected')::boolean, url = e ->> 'url',
-               item_updated_at = (e ->> 'updated_at')::timestamptz, updated_at = now()
+               item_updated_at = (e ->> 'updated_at')::timestamptz, gone_at = null, gone_reason = null,
+               updated_at = now()
          where x.id = i.id;
         ref := i.ref;
         task_id := v_task;
@@ -237,7 +239,8 @@ grant execute on function fleet.source_sync(text,jsonb) to fleet_operator, servi
 -- its spend, its pull request and CI, what was posted. Work: a task running (the claim label), in
 -- ci or review (its PR, its checks, a merge), blocked, done or dead with its outcome not written
 -- back yet, merged within 7 days and not reverted (a regression to watch for), or done with its
--- pull request still open (its merge to be seen).
+-- pull request still open (its merge to be seen). Never an item gone from the tracker
+-- (fleet.source_gone): there is nothing there to read or write back.
 create or replace function fleet.source_work(p_source text)
 returns table (item jsonb)
 language plpgsql
@@ -281,6 +284,7 @@ begin
            order by ev.id desc limit 1) o on true
      where i.source = p_source
        and fleet._lane_allowed(t.lane)
+       and i.gone_at is null
        and (t.state in ('running', 'ci', 'review', 'blocked')
             or (t.state = 'queued' and i.pr_number is not null)  -- back to its agent after a red CI
             or (t.state in ('done', 'dead') and t.finished_at > now() - interval '30 days'
@@ -404,6 +408,91 @@ end
 $$;
 revoke all on function fleet.source_pr(text,text,jsonb) from public;
 grant execute on function fleet.source_pr(text,text,jsonb) to fleet_operator, service_role;
+
+-- The tracker will not open the pull request of a task waiting in ci: p_reason no-commits (its
+-- branch has nothing its base lacks: the agent changed nothing) or pr-refused (another refusal:
+-- the branch not there, …), p_evidence the tracker's words. The task is blocked with that reason
+-- for a person (`fleet resume` sends it back to its agent, `fleet cancel` ends it); asking again
+-- each pass would get the same answer. Returns 'blocked', or 'stale' (the task is not in ci).
+create or replace function fleet.source_pr_refused(p_source text, p_ref text, p_reason text, p_evidence text)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    i fleet.source_items;
+    t fleet.tasks;
+begin
+    i := fleet._source_item(p_source, p_ref);
+    if p_reason is null or p_reason not in ('no-commits', 'pr-refused') then
+        perform fleet._raise('LF005', format('%L is not a reason a pull request was refused', p_reason),
+            'no-commits or pr-refused');
+    end if;
+    if i.task_id is null then
+        return 'stale';
+    end if;
+    select * into t from fleet.tasks where id = i.task_id for no key update;
+    if t.state <> 'ci' then
+        return 'stale';
+    end if;
+    update fleet.tasks
+       set state = 'blocked', block_reason = p_reason, last_error = left(p_evidence, 4000), updated_at = now()
+     where id = t.id;
+    perform fleet._event('blocked', t.lane, t.id, null, jsonb_build_object(
+        'reason', p_reason, 'source', p_source, 'ref', p_ref, 'evidence', right(p_evidence, 1000)));
+    return 'blocked';
+end
+$$;
+comment on function fleet.source_pr_refused(text, text, text, text) is
+    'The tracker will not open the pull request of a task in ci (no-commits, pr-refused): blocked for a person.';
+revoke all on function fleet.source_pr_refused(text,text,text,text) from public;
+grant execute on function fleet.source_pr_refused(text,text,text,text) to fleet_operator, service_role;
+
+-- The tracker says the item is not there any more (GitHub: deleted, transferred to another
+-- repository): p_why its answer. The item is marked gone (gone_at, gone_reason; no longer open
+-- nor selected), so that no pass has work for it again (fleet.source_work leaves it out) unless a
+-- listing shows it again (fleet.source_sync); its live task is cancelled (external_advance,
+-- reason gone: a running agent stops at its next heartbeat), a finished one keeps its state
+-- (journal: source_item_gone). Returns the task's state (NULL: no task), or 'already'.
+create or replace function fleet.source_gone(p_source text, p_ref text, p_why text)
+returns text
+language plpgsql
+security definer
+set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    i fleet.source_items;
+    t fleet.tasks;
+    v_detail jsonb;
+begin
+    i := fleet._source_item(p_source, p_ref);
+    if p_why is null or length(btrim(p_why)) = 0 then
+        perform fleet._raise('LF005', format('source %s, item %s: say why it is gone (the tracker''s answer)',
+                                             p_source, left(p_ref, 300)));
+    end if;
+    if i.gone_at is not null then
+        return 'already';
+    end if;
+    update fleet.source_items
+       set gone_at = now(), gone_reason = left(p_why, 500), open = false, selected = false, updated_at = now()
+     where id = i.id;
+    if i.task_id is null then
+        return null;
+    end if;
+    select * into t from fleet.tasks where id = i.task_id for no key update;
+    v_detail := jsonb_build_object('source', p_source, 'ref', p_ref, 'why', left(p_why, 500));
+    if t.state in ('queued', 'running', 'blocked', 'ci', 'review') then
+        return fleet._cancel(t, 'external_advance', jsonb_build_object('reason', 'gone') || v_detail);
+    end if;
+    perform fleet._event('source_item_gone', t.lane, t.id, null, jsonb_build_object('state', t.state) || v_detail);
+    return t.state;
+end
+$$;
+comment on function fleet.source_gone(text, text, text) is
+    'A source''s item is not in the tracker any more (deleted, transferred): marked gone, its live task cancelled.';
+revoke all on function fleet.source_gone(text,text,text) from public;
+grant execute on function fleet.source_gone(text,text,text) to fleet_operator, service_role;
 
 -- The checks of the task's pull request at head p_sha, as the pass read them: p_runs workflow runs,
 -- p_verdict pending | success | failure (p_evidence: the failing checks' names and their logs'

@@ -20,7 +20,8 @@ def sync(ctx: typer.Context,
          as_json: JsonOpt = False) -> None:
     """A pass of each source: issues to tasks, closed ones cancelled, PRs and CI read, outcomes posted.
 
-    Exit 1 if a pass stopped on an error (it says which)."""
+    Exit 1 if a pass stopped on an error (it says which); an item the tracker failed is named in
+    the pass's line, and the pass goes on."""
     from worker.logs import configure_logging
     from worker.sources.passes import run_passes
 
@@ -35,7 +36,8 @@ def sync(ctx: typer.Context,
         print(json.dumps([{"source": p.source, "skipped": p.skipped, "error": p.error, "items": p.items,
                            "actions": dict(p.actions), "requests": p.traffic.requests,
                            "not_modified": p.traffic.not_modified, "waited_seconds": p.traffic.waited_seconds,
-                           "resume_at": p.resume_at.isoformat() if p.resume_at else None} for p in reports]))
+                           "resume_at": p.resume_at.isoformat() if p.resume_at else None,
+                           "item_errors": p.item_errors} for p in reports]))
     else:
         for p in reports:
             console.print(escape(p.line()), highlight=False, soft_wrap=True)

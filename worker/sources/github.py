@@ -33,8 +33,11 @@ from worker.sources.tracker import (
     Checks,
     Commit,
     Item,
+    ItemGone,
     PullRequest,
+    PullRequestRefused,
     RateLimited,
+    SourceDown,
     SourceError,
     Traffic,
     as_time,
@@ -126,7 +129,7 @@ class GitHub:
             try:
                 response = self.http.request(method, url, json=json, headers=headers)
             except httpx.HTTPError as exc:
-                raise SourceError(f"{self.what}: {method} {url.split('?')[0]} failed: {exc!r}") from None
+                raise SourceDown(f"{self.what}: {method} {url.split('?')[0]} failed: {exc!r}") from None
             self.traffic.requests += 1
             self.traffic.by_status[response.status_code] = self.traffic.by_status.get(response.status_code, 0) + 1
             h = response.headers
@@ -145,28 +148,47 @@ class GitHub:
             if remaining == "0" and (reset or "").isdigit():
                 self._hold_until = float(int(reset or 0))
             return response
-        raise SourceError(f"{self.what}: {method} {url.split('?')[0]} still rate-limited after waiting 4 times")
+        raise SourceDown(f"{self.what}: {method} {url.split('?')[0]} still rate-limited after waiting 4 times")
 
-    def _check(self, response: httpx.Response, what: str) -> None:
+    def _check(self, response: httpx.Response, what: str, *, issue: int | None = None) -> None:
+        """Raise for an answer that is not a success: SourceDown for what stops every request (the
+        token, the repository), ItemGone for a request about ``issue`` that says it is not there
+        any more, else SourceError with GitHub's words."""
         if response.is_success or response.status_code == 304:
             return
         status, message = response.status_code, _message(response)
         if status == 401:
-            raise SourceError(f"{self.what}: GitHub refused the token (401 {message})",
-                              "give the source a valid token (its token_env or token_file)")
+            raise SourceDown(f"{self.what}: GitHub refused the token (401 {message})",
+                             "give the source a valid token (its token_env or token_file)")
         if status == 404 and what.startswith("list issues"):
-            raise SourceError(f"{self.what}: repository {self.repository} not found, or the token cannot see it")
+            raise SourceDown(f"{self.what}: repository {self.repository} not found, or the token cannot see it")
+        if status == 301 and what.startswith("list issues"):
+            raise SourceDown(f"{self.what}: repository {self.repository} moved (301 to "
+                             f"{response.headers.get('location') or 'an address GitHub did not give'})",
+                             "give the source its repository's new name")
+        if issue is not None:
+            # GitHub: 410 for an issue deleted, 301 for one transferred (or 404, to a repository the
+            # token cannot read). A 404 to a write may be a token without write access: only a read's
+            # 404 says the issue is not there (the pass reads after listing the repository's issues)
+            where = f" to {response.headers['location']}" if status == 301 and response.headers.get("location") else ""
+            why = {410: "deleted", 301: f"transferred{where}"}.get(status)
+            if why is None and status == 404 and response.request.method == "GET":
+                why = "not found"
+            if why is not None:
+                raise ItemGone(f"{self.what}: {what}: GitHub answered {status} {message}: issue #{issue} is {why}",
+                               f"{status}: {why}")
         raise SourceError(f"{self.what}: {what}: GitHub answered {status} {message}")
 
-    def _get(self, url: str, keep: Callable[[Any], Any], what: str) -> tuple[Any, str | None, bool]:
+    def _get(self, url: str, keep: Callable[[Any], Any], what: str, *,
+             issue: int | None = None) -> tuple[Any, str | None, bool]:
         """GET ``url`` conditionally: (what ``keep`` made of its body, its next page's URL, whether it
-        changed since the cached answer)."""
+        changed since the cached answer). ``issue``: the request is about that issue (_check)."""
         cached = self.cache.get(url)
         response = self._send("GET", url, etag=cached.get("etag") if cached else None)
         if response.status_code == 304 and cached is not None:
             self.traffic.not_modified += 1
             return cached.get("value"), cached.get("next"), False
-        self._check(response, what)
+        self._check(response, what, issue=issue)
         value = keep(response.json())
         match = _NEXT.search(response.headers.get("link", ""))
         nxt = match.group(1).removeprefix(self._base) if match else None
@@ -177,20 +199,22 @@ class GitHub:
         self._date = response.headers.get("date")
         return value, nxt, True
 
-    def _pages(self, url: str, keep: Callable[[Any], Any], what: str) -> tuple[list[Any], bool]:
+    def _pages(self, url: str, keep: Callable[[Any], Any], what: str, *,
+               issue: int | None = None) -> tuple[list[Any], bool]:
         out: list[Any] = []
         changed = False
         next_url: str | None = url
         while next_url:
-            value, next_url, page_changed = self._get(next_url, keep, what)
+            value, next_url, page_changed = self._get(next_url, keep, what, issue=issue)
             out.extend(value or [])
             changed |= page_changed
         return out, changed
 
-    def _write(self, method: str, url: str, body: Any, what: str, *, ok: tuple[int, ...] = ()) -> httpx.Response:
+    def _write(self, method: str, url: str, body: Any, what: str, *, ok: tuple[int, ...] = (),
+               issue: int | None = None) -> httpx.Response:
         response = self._send(method, url, json=body)
         if response.status_code not in ok:
-            self._check(response, what)
+            self._check(response, what, issue=issue)
         return response
 
     # -- the Tracker
@@ -217,21 +241,22 @@ class GitHub:
     def comments(self, number: int) -> list[tuple[int, str]]:
         keep = lambda body: [[c["id"], c.get("body") or ""] for c in body]  # noqa: E731
         rows, _ = self._pages(self._repo(f"/issues/{number}/comments?per_page={PER_PAGE}"), keep,
-                              f"list the comments of #{number}")
+                              f"list the comments of #{number}", issue=number)
         return [(int(i), str(b)) for i, b in rows]
 
     def post_comment(self, number: int, body: str) -> int:
         response = self._write("POST", self._repo(f"/issues/{number}/comments"), {"body": body},
-                               f"comment on #{number}")
+                               f"comment on #{number}", issue=number)
         return int(response.json()["id"])
 
     def add_label(self, number: int, label: str) -> None:
         self._write("POST", self._repo(f"/issues/{number}/labels"), {"labels": [label]},
-                    f"label #{number} {label!r}")
+                    f"label #{number} {label!r}", issue=number)
 
     def remove_label(self, number: int, label: str) -> None:
         self._write("DELETE", self._repo(f"/issues/{number}/labels/{quote(label, safe='')}"), None,
-                    f"take label {label!r} off #{number}", ok=(404,))  # not there: as good as removed
+                    f"take label {label!r} off #{number}", ok=(404,),  # not there: as good as removed
+                    issue=number)
 
     def pull_request_for(self, branch: str) -> PullRequest | None:
         # open ones only: a closed or merged one of the branch was an earlier attempt's (an issue
@@ -247,10 +272,15 @@ class GitHub:
                                ok=(422,))
         if response.status_code == 422:  # one exists already (another pass, a person): that one
             found = self.pull_request_for(branch)
-            if found is None:
-                self._check(response, f"open a pull request for {branch}")
-                raise AssertionError("unreachable")  # pragma: no cover
-            return found
+            if found is not None:
+                return found
+            # else GitHub will not open it: nothing on the branch over its base (the agent changed
+            # nothing), no such branch (its push failed), …: its words, for a person
+            errors = _errors(response)
+            reason = "no-commits" if any(e.startswith("No commits between") for e in errors) else "pr-refused"
+            raise PullRequestRefused(f"{self.what}: open a pull request for {branch} into {base}: GitHub answered "
+                                     f"422 {_message(response)}" + (f": {'; '.join(errors)}" if errors else ""),
+                                     reason)
         return _pull_request(_pull(response.json()))
 
     def pull_request(self, number: int) -> PullRequest:
@@ -293,6 +323,21 @@ class GitHub:
                               "date": ((c.get("commit") or {}).get("committer") or {}).get("date")} for c in body]
         rows, _ = self._pages(self._repo(f"/commits?{query}"), keep, f"list the commits of {branch}")
         return [Commit(sha=r["sha"], message=r["message"], date=as_time(r["date"]) or datetime.now(UTC)) for r in rows]
+
+
+def _errors(response: httpx.Response) -> list[str]:
+    """The ``errors`` of GitHub's 422 (its Validation Failed), each as a phrase."""
+    try:
+        body = response.json()
+    except ValueError:
+        return []
+    out = []
+    for e in (body.get("errors") if isinstance(body, dict) else None) or []:
+        if isinstance(e, dict):
+            out.append(str(e.get("message") or " ".join(str(e[k]) for k in ("resource", "field", "code") if e.get(k))))
+        else:
+            out.append(str(e))
+    return out
 
 
 def _message(response: httpx.Response) -> str:

@@ -14,8 +14,15 @@ One pass, in order:
    (:mod:`worker.sources.writeback`); reverts of recent merges (``fleet.source_reverted``).
 5. ``fleet.source_end``: the answers read anew, the cursor reached, a rate limit's reset, an error.
 
-Every tracker error stops the pass with one line (recorded in ``fleet.sources.last_error``);
-what it carried to the database before stands, and the next pass goes on from there.
+An error about one item (GitHub refusing one request, a server error) is that item's: the pass
+names it (``PassReport.item_errors``, ``fleet.sources.last_error``) and goes on with the others,
+and the next pass tries it again. Two are acted on instead: a pull request the tracker will not
+open blocks its task for a person (``fleet.source_pr_refused``: no-commits, pr-refused), and an
+issue deleted or transferred is marked gone (``fleet.source_gone``: no pass asks about it again).
+An error that is not about one item (:class:`~worker.sources.tracker.SourceDown`: the token, the
+repository, the network, a rate limit past ``max_rate_wait``) or a failed listing stops the pass
+with one line (recorded in ``fleet.sources.last_error``); what it carried to the database before
+stands, and the next pass goes on from there.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from __future__ import annotations
 import os
 import stat
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -36,8 +43,11 @@ from worker.errors import ConfigError
 from worker.sources.items import ref_number, sync_entry
 from worker.sources.tracker import (
     Checks,
+    ItemGone,
     PullRequest,
+    PullRequestRefused,
     RateLimited,
+    SourceDown,
     SourceError,
     Tracker,
     Traffic,
@@ -62,6 +72,7 @@ class PassReport:
     traffic: Traffic = field(default_factory=Traffic)
     resume_at: datetime | None = None
     refused: list[str] = field(default_factory=list)  # items that cannot be tasks: "<ref>: why"
+    item_errors: list[str] = field(default_factory=list)  # items the tracker failed: "<ref>: what it said"
 
     def line(self) -> str:
         """One line for a person."""
@@ -76,6 +87,9 @@ class PassReport:
             line += f", {t.waited_seconds:.0f} s waited for the rate limit"
         if self.refused:
             line += "; refused: " + "; ".join(self.refused[:3]) + (" …" if len(self.refused) > 3 else "")
+        if self.item_errors:
+            line += (f"; {len(self.item_errors)} item(s) failed: " + "; ".join(
+                e.replace(own, "", 1) for e in self.item_errors[:3]) + (" …" if len(self.item_errors) > 3 else ""))
         return line + (f"; stopped: {self.error.removeprefix(own)}" if self.error else "")
 
 
@@ -123,15 +137,35 @@ class SourcePass:
     def work(self) -> list[dict[str, Any]]:
         return [dict(r["item"]) for r in self.call("source_work")]
 
+    def each(self, step: Callable[[dict[str, Any]], None]) -> None:
+        """``step`` for each item the pass has work for; what the tracker says of one item is that
+        item's (the module's docstring), what stops every request stops the pass (SourceDown)."""
+        for row in self.work():
+            try:
+                step(row)
+            except SourceDown:
+                raise
+            except ItemGone as exc:
+                state = self.call("source_gone", p_ref=row["ref"], p_why=exc.why)
+                log.warning("source item gone", source=self.name, ref=row["ref"], why=exc.why, task=row.get("task_id"),
+                            task_state=state)
+                self.report.actions["gone"] += 1
+            except SourceError as exc:
+                log.warning("source item failed", source=self.name, ref=row["ref"], task=row.get("task_id"),
+                            error=str(exc))
+                self.report.item_errors.append(f"{row['ref']}: {exc}")
+
     # -- 2. pull requests and CI
 
     def pull_requests(self) -> None:
-        for row in self.work():
-            if row["state"] == "ci":
-                self.judge_ci(row)
-            elif row.get("pr_number") and (row["state"] in LIVE or not row.get("merged_at")):
-                pr = self.tracker.pull_request(int(row["pr_number"]))
-                self.record_pr(row, pr)
+        self.each(self.pull_request_of)
+
+    def pull_request_of(self, row: dict[str, Any]) -> None:
+        if row["state"] == "ci":
+            self.judge_ci(row)
+        elif row.get("pr_number") and (row["state"] in LIVE or not row.get("merged_at")):
+            pr = self.tracker.pull_request(int(row["pr_number"]))
+            self.record_pr(row, pr)
 
     def record_pr(self, row: dict[str, Any], pr: PullRequest) -> str:
         state = str(self.call("source_pr", p_ref=row["ref"], p_pr={
@@ -154,9 +188,17 @@ class SourcePass:
         else:
             pr = self.tracker.pull_request_for(branch)
             if pr is None:
-                pr = self.tracker.open_pull_request(
-                    branch, lane.base, str(row.get("title") or row["key"])[:250],
-                    pull_request_body(row, ref_number(row["ref"])))
+                try:
+                    pr = self.tracker.open_pull_request(
+                        branch, lane.base, str(row.get("title") or row["key"])[:250],
+                        pull_request_body(row, ref_number(row["ref"])))
+                except PullRequestRefused as exc:
+                    if self.call("source_pr_refused", p_ref=row["ref"], p_reason=exc.reason,
+                                 p_evidence=str(exc)) == "blocked":
+                        log.warning("pull request refused: task blocked", source=self.name, ref=row["ref"],
+                                    task=row.get("task_id"), reason=exc.reason, error=str(exc))
+                        self.report.actions[f"blocked ({exc.reason})"] += 1
+                    return
                 self.report.actions["pull requests opened"] += 1
         if self.record_pr(row, pr) != "ci":
             return
@@ -191,20 +233,22 @@ class SourcePass:
     # -- 4. write-backs and reverts
 
     def write_back(self) -> None:
-        for row in self.work():
-            outcome = row.get("outcome") or {}
-            key = outcome.get("key")
-            posts = row.get("posts") or {}
-            number = ref_number(row["ref"])
-            if row["state"] == "running" and outcome.get("kind") == "claimed" and key and key not in posts:
-                if self.source.on_claim == "label":
-                    self.tracker.add_label(number, self.source.running_label)
-                    self.report.actions["labelled running"] += 1
-                self.call("source_posted", p_ref=row["ref"], p_key=key, p_value=self.source.on_claim)
-            elif row["state"] in ("done", "dead", "blocked") and key and key not in posts:
-                self.post_outcome(row, number, key, posts)
-            if row.get("merged_at") and row.get("merged_sha"):
-                self.watch_revert(row)
+        self.each(self.write_back_of)
+
+    def write_back_of(self, row: dict[str, Any]) -> None:
+        outcome = row.get("outcome") or {}
+        key = outcome.get("key")
+        posts = row.get("posts") or {}
+        number = ref_number(row["ref"])
+        if row["state"] == "running" and outcome.get("kind") == "claimed" and key and key not in posts:
+            if self.source.on_claim == "label":
+                self.tracker.add_label(number, self.source.running_label)
+                self.report.actions["labelled running"] += 1
+            self.call("source_posted", p_ref=row["ref"], p_key=key, p_value=self.source.on_claim)
+        elif row["state"] in ("done", "dead", "blocked") and key and key not in posts:
+            self.post_outcome(row, number, key, posts)
+        if row.get("merged_at") and row.get("merged_sha"):
+            self.watch_revert(row)
 
     def post_outcome(self, row: dict[str, Any], number: int, key: str, posts: dict[str, Any]) -> None:
         failed = row["state"] != "done"
@@ -263,12 +307,14 @@ def run_pass(store: Store, cfg: FleetConfig, name: str, *, environ: Mapping[str,
         work.report.error = str(exc)
     finally:
         work.report.traffic = tracker.traffic
+        errors = [work.report.error] if work.report.error else []
+        errors += work.report.item_errors
         try:
             store.source_call("source_end", {
                 "p_source": name, "p_cache": tracker.cache_changes,
                 "p_cursor": reached.isoformat() if reached else None,
                 "p_resume_at": work.report.resume_at.isoformat() if work.report.resume_at else None,
-                "p_error": work.report.error})
+                "p_error": "; ".join(errors) or None})
         finally:
             tracker.close()
     return work.report

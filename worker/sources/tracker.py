@@ -22,16 +22,39 @@ def as_time(value: Any) -> datetime | None:
 
 
 class SourceError(FleetError):
-    """A tracker refused or failed a request (a bad token, an unknown repository, an answer that is
-    not what its API describes): the pass stops, and says so."""
+    """A tracker refused or failed a request about one item (an answer that is not what its API
+    describes, a server error): the pass says so, naming the item, and goes on with the others."""
 
 
-class RateLimited(SourceError):
+class SourceDown(SourceError):
+    """The tracker cannot be asked anything now, whatever the item (the token refused, the repository
+    not found, the network down): the pass stops, and says so."""
+
+
+class RateLimited(SourceDown):
     """The tracker said to wait longer than the pass may (``until``: when it may be asked again)."""
 
     def __init__(self, message: str, until: datetime) -> None:
         super().__init__(message)
         self.until = until
+
+
+class ItemGone(SourceError):
+    """The item is not in the tracker any more (GitHub: deleted, 410; transferred to another
+    repository, 301; not found, 404, by a read while its repository answers): ``why`` says which."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
+
+
+class PullRequestRefused(SourceError):
+    """The tracker will not open the pull request of a branch: ``reason`` no-commits (nothing on the
+    branch that its base lacks) or pr-refused (any other refusal: ``str()`` has the tracker's words)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ BATCH_FUNCTIONS = frozenset({
 #: SOURCE_ROWS return rows, the others one value
 SOURCE_FUNCTIONS = frozenset({
     "source_begin", "source_end", "source_sync", "source_work", "source_posted", "source_pr", "source_ci",
-    "source_reverted",
+    "source_reverted", "source_pr_refused", "source_gone",
 })
 SOURCE_ROWS = frozenset({"source_sync", "source_work"})
 SOURCE_JSON = frozenset({"p_items", "p_pr", "p_cache", "p_value"})  # their jsonb parameters
