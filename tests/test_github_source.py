@@ -166,6 +166,32 @@ def test_an_unchanged_pass_costs_only_304s_and_a_change_is_read(world: World) ->
     assert world.task_of(three)["title"] == "three"
 
 
+def test_the_cache_keeps_only_what_the_last_pass_asked_for(world: World) -> None:
+    """Each pass asks for issues updated since a cursor that moves: an answer about a cursor passed
+    (an issue's body in it) is never asked for again, and is not kept. A pass that stopped keeps
+    what it did not get to."""
+    gh = world.gh
+    n = gh.add_issue(REPO, "big", "x" * 20_000, ["fleet:docs"])
+    world.sync()
+    for k in range(8):
+        gh.set_labels(REPO, n, ["fleet:docs"] + (["p1"] if k % 2 else []))
+        world.sync()
+    world.sync()  # the first pass from the last change's cursor
+
+    def cache() -> dict[str, Any]:
+        return dict(world.fleet.sql("select cache from fleet.sources where name = 'gh'")[0]["cache"])
+
+    kept = cache()
+    assert len(kept) == 1 and "since=" in next(iter(kept)), list(kept)  # this cursor's listing alone
+    before = len(gh.requests)
+    world.sync()
+    assert [r.status for r in gh.requests[before:]] == [304]  # and it still answers a quiet pass
+
+    gh.exhaust(reset_in=600)  # a pass that stops at its first request: the cache stays whole
+    assert run_pass(world.fleet.monitor_store, world.fleet.cfg, "gh", environ=world.environ).error
+    assert cache() == kept
+
+
 def test_a_spent_rate_limit_is_waited_for_until_its_reset(world: World) -> None:
     world.gh.add_issue(REPO, "one", "", ["fleet:bugfix"])
     world.gh.exhaust(reset_in=2)

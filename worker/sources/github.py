@@ -8,7 +8,11 @@ dozen endpoints. What it sends and reads is checked against GitHub's published O
 by the test suite (tests/github_api/).
 
 Conditional requests: every GET carries the ETag of the cached answer (``If-None-Match``); a 304
-costs no rate limit and is read from the cache. Only what the pass uses of a body is kept.
+costs no rate limit and is read from the cache. Only what the pass uses of a body is kept, and only
+for the URLs the last complete pass asked for (:meth:`GitHub.prune_cache`): what a pass asks again
+and again (the issues since the cursor, a live task's pull request, the checks at a head) it asks
+every pass, and the rest (a listing from a cursor passed, the first pass's, a SHA no longer a head)
+is never asked for again.
 Rate limits: a 403/429 with ``x-ratelimit-remaining: 0`` waits for ``x-ratelimit-reset``, one with
 ``Retry-After`` for that long (a secondary limit without it: a minute), a spent limit on a 2xx holds
 the next request until the reset; a wait longer than the pass's ``max_wait`` raises
@@ -94,6 +98,7 @@ class GitHub:
         self.sleep = sleep
         self.cache: dict[str, Any] = dict(cache or {})
         self.cache_changes: dict[str, Any] = {}
+        self._asked: set[str] = set()  # the URLs this pass asked for (GET)
         self.traffic = Traffic()
         self._hold_until = 0.0  # a spent rate limit: no request before then (epoch seconds)
         self._base = api_url.rstrip("/")
@@ -104,6 +109,14 @@ class GitHub:
 
     def close(self) -> None:
         self.http.close()
+
+    def prune_cache(self) -> None:
+        """Drop every cached answer this pass did not ask for (a None in ``cache_changes``): call it
+        at the end of a complete pass only (one that stopped did not get to ask for all it needs)."""
+        for url in list(self.cache):
+            if url not in self._asked:
+                del self.cache[url]
+                self.cache_changes[url] = None
 
     # -- requests
 
@@ -184,6 +197,7 @@ class GitHub:
         """GET ``url`` conditionally: (what ``keep`` made of its body, its next page's URL, whether it
         changed since the cached answer). ``issue``: the request is about that issue (_check)."""
         cached = self.cache.get(url)
+        self._asked.add(url)
         response = self._send("GET", url, etag=cached.get("etag") if cached else None)
         if response.status_code == 304 and cached is not None:
             self.traffic.not_modified += 1

@@ -12,7 +12,8 @@ One pass, in order:
 3. The items changed since the cursor (``fleet.source_sync``): new tasks, external advances.
 4. Write-backs (the work again): the claim label, the outcome's comment and label, each once
    (:mod:`worker.sources.writeback`); reverts of recent merges (``fleet.source_reverted``).
-5. ``fleet.source_end``: the answers read anew, the cursor reached, a rate limit's reset, an error.
+5. ``fleet.source_end``: the answers read anew (and, after a complete pass, those it did not ask for
+   dropped: the cache holds one pass's answers), the cursor reached, a rate limit's reset, an error.
 
 An error about one item (GitHub refusing one request, a server error) is that item's: the pass
 names it (``PassReport.item_errors``, ``fleet.sources.last_error``) and goes on with the others,
@@ -301,6 +302,7 @@ def run_pass(store: Store, cfg: FleetConfig, name: str, *, environ: Mapping[str,
         work.pull_requests()
         reached = work.sync(cursor)
         work.write_back()
+        tracker.prune_cache()  # the pass asked for all it needs: what it did not is kept no more
     except RateLimited as exc:
         work.report.error, work.report.resume_at = str(exc), exc.until
     except SourceError as exc:

@@ -141,6 +141,11 @@ class Tracker(Protocol):
     #: cache entries this tracker read anew (what the pass stores back: URL → entry, None to drop)
     cache_changes: dict[str, Any]
 
+    def prune_cache(self) -> None:
+        """Drop (in ``cache_changes``) the cached answers this pass did not ask for: after a complete
+        pass, what it did not ask for is never asked for again (a listing from a cursor passed)."""
+        ...
+
     def changed_items(self, since: datetime | None, labels: list[str]) -> tuple[list[Item], datetime | None]:
         """Items changed since ``since`` (inclusive; None: the first pass, every open item with one of
         ``labels``), and the cursor the next pass starts from."""
