@@ -16,6 +16,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +191,43 @@ def test_the_cache_keeps_only_what_the_last_pass_asked_for(world: World) -> None
     gh.exhaust(reset_in=600)  # a pass that stops at its first request: the cache stays whole
     assert run_pass(world.fleet.monitor_store, world.fleet.cfg, "gh", environ=world.environ).error
     assert cache() == kept
+
+
+class EditsAfterTheFirstPage(GitHub):
+    """A person edits the first issue listed while the pass reads the listing's first page."""
+
+    def __init__(self, gh: GitHubStandIn, number: int) -> None:
+        super().__init__(REPO, gh.token, api_url=gh.url)
+        self.gh, self.number, self.pages = gh, number, 0
+
+    def _get(self, url: str, keep: Any, what: str, **kw: Any) -> Any:
+        got = super()._get(url, keep, what, **kw)
+        self.pages += 1
+        if self.pages == 1:
+            self.gh.set_labels(REPO, self.number, ["fleet:bugfix", "p1"])
+        return got
+
+
+@pytest.mark.parametrize("first_pass", [False, True])
+def test_an_issue_edited_while_the_pages_are_read_skips_none(github: GitHubStandIn, first_pass: bool) -> None:
+    """Sorted by updated_at, an issue edited between two pages moves to the end: with GitHub's page
+    numbers the issue that was first on page 2 would slide onto page 1, never read, and the cursor
+    would pass it. Each next page is the listing since the last updated_at read (inclusive)."""
+    github.add_repo(REPO)
+    numbers = [github.add_issue(REPO, f"i{k}", "", ["fleet:bugfix"]) for k in range(150)]
+    since = None if first_pass else datetime.now(UTC) - timedelta(days=1)
+    items, cursor = EditsAfterTheFirstPage(github, numbers[0]).changed_items(since, ["fleet:bugfix"])
+    assert sorted(i.number for i in items) == numbers
+    edited = next(i for i in items if i.number == numbers[0])
+    assert "p1" in edited.labels and cursor == edited.updated_at  # read as it is now, last
+
+    quiet = GitHub(REPO, github.token, api_url=github.url)
+    again, _ = quiet.changed_items(since, ["fleet:bugfix"])
+    assert sorted(i.number for i in again) == numbers
+    asked = len(github.requests)
+    cached = GitHub(REPO, github.token, api_url=github.url, cache=quiet.cache)
+    assert sorted(i.number for i in cached.changed_items(since, ["fleet:bugfix"])[0]) == numbers
+    assert {r.status for r in github.requests[asked:]} == {304}  # each page's URL the same each pass
 
 
 def test_a_spent_rate_limit_is_waited_for_until_its_reset(world: World) -> None:

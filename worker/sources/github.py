@@ -52,6 +52,7 @@ log = structlog.get_logger("lanefleet.sources")
 API_VERSION = "2022-11-28"
 PER_PAGE = 100
 _NEXT = re.compile(r'<([^>]+)>;\s*rel="next"')
+_EPOCH = datetime.fromtimestamp(0, UTC)
 
 
 def _issue(raw: dict[str, Any]) -> dict[str, Any]:
@@ -233,19 +234,39 @@ class GitHub:
 
     # -- the Tracker
 
-    def changed_items(self, since: datetime | None, labels: list[str]) -> tuple[list[Item], datetime | None]:
+    def _issues(self, params: dict[str, str]) -> list[dict[str, Any]]:
+        """Every issue of a listing sorted by ``updated`` ascending, each page after the first asked as
+        the listing ``since`` the last ``updated_at`` read (GitHub's since is inclusive), not by its
+        page number: an issue updated while the pages are read moves to the end of the listing, and
+        by page numbers the one that was first on the next page would slide onto the page read, never
+        to be read (and the cursor would pass it). Read since, it is on a page still to come; what a
+        page and the next both hold is read twice, the later one kept. A full page all of one second
+        cannot move the since: then the next page of that listing, by its number. The URLs are the
+        same each pass over the same issues, so a quiet pass gets its 304s."""
         keep = lambda body: [_issue(raw) for raw in body]  # noqa: E731
+        out: list[dict[str, Any]] = []
+        since, page = params.get("since"), 1
+        while True:
+            query = {**params, **({"since": since} if since else {}), **({"page": str(page)} if page > 1 else {})}
+            value, nxt, _ = self._get(self._repo(f"/issues?{urlencode(query)}"), keep, "list issues")
+            value = value or []
+            out += value
+            if not nxt or not value:
+                return out
+            last = value[-1]["updated_at"]
+            moved = since is None or (as_time(last) or _EPOCH) > (as_time(since) or _EPOCH)
+            since, page = (last, 1) if moved else (since, page + 1)
+
+    def changed_items(self, since: datetime | None, labels: list[str]) -> tuple[list[Item], datetime | None]:
         self._date = None
         kept: list[dict[str, Any]] = []
         if since is None:  # the first pass: the open issues of each label (GitHub ANDs its labels filter)
             for label in labels:
-                query = urlencode({"state": "open", "labels": label, "sort": "updated", "direction": "asc",
-                                   "per_page": PER_PAGE})
-                kept += self._pages(self._repo(f"/issues?{query}"), keep, "list issues")[0]
+                kept += self._issues({"state": "open", "labels": label, "sort": "updated", "direction": "asc",
+                                      "per_page": str(PER_PAGE)})
         else:  # then everything updated since: closes, reopens and label changes included
-            query = urlencode({"state": "all", "since": since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                               "sort": "updated", "direction": "asc", "per_page": PER_PAGE})
-            kept = self._pages(self._repo(f"/issues?{query}"), keep, "list issues")[0]
+            kept = self._issues({"state": "all", "since": since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                                 "sort": "updated", "direction": "asc", "per_page": str(PER_PAGE)})
         items = list({k["number"]: _item(k) for k in kept}.values())
         cursor = max((i.updated_at for i in items), default=None)
         if cursor is None:
