@@ -16,6 +16,7 @@ from gitkit import bare_origin, git
 from test_github_source import REPO, World
 
 from worker.errors import InvalidInput
+from worker.sources.github import GitHub
 from worker.workspace.git import branch_name
 
 FAILED_LOG = ("============ FAILURES ============\n"
@@ -231,3 +232,16 @@ def test_a_branch_with_no_commits_blocks_its_task_and_the_pass_goes_on(db_url: s
         assert len(github.comments_of(REPO, n)) == 1
     finally:
         w.fleet.close()
+
+
+def test_the_ci_verdict_reads_every_page_of_check_runs(github: GitHubStandIn) -> None:
+    """A head with more check runs than a page holds (a matrix): a failure on the second page is
+    the verdict, not the first page's greens."""
+    github.add_repo(REPO)
+    sha = "d" * 40
+    github.set_branch(REPO, "main", sha)
+    github.set_checks(REPO, sha, [{"name": "lint", "conclusion": "failure", "log": "E501 line too long"}]
+                      + [{"name": f"tests ({k})", "conclusion": "success", "log": "ok"} for k in range(120)])
+    checks = GitHub(REPO, github.token, api_url=github.url).checks(sha)
+    assert len(checks.checks) == 121 and checks.runs == 1
+    assert checks.verdict == "failure" and [c.name for c in checks.failing] == ["lint"]

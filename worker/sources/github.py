@@ -329,8 +329,9 @@ class GitHub:
                      "summary": ((c.get("output") or {}).get("summary") or "")[-2000:]}
                     for c in body.get("check_runs") or []]
 
-        checks, _, _ = self._get(self._repo(f"/commits/{sha}/check-runs?per_page={PER_PAGE}"), keep_checks,
-                                 f"read the checks of {sha[:12]}")
+        # every page: a verdict from the first hundred would miss a failure on the next (a matrix)
+        checks, _ = self._pages(self._repo(f"/commits/{sha}/check-runs?per_page={PER_PAGE}"), keep_checks,
+                                f"read the checks of {sha[:12]}")
         runs, _, _ = self._get(self._repo(f"/actions/runs?{urlencode({'head_sha': sha, 'per_page': 1})}"),
                                lambda body: int(body.get("total_count") or 0), f"count the workflow runs of {sha[:12]}")
         return Checks(sha=sha, checks=tuple(Check(**c) for c in checks), runs=int(runs or 0))
