@@ -586,6 +586,146 @@ def test_a_database_that_does_not_exist_is_unavailable_in_bounded_time(pg_server
 
 
 # ------------------------------------------------------------------------------------------------
+# conflicts: the server rolled the call back, so any call is tried again
+
+
+def _conflicting(conn: psycopg.Connection, code: str, times: int) -> None:
+    """``public.conflicting()``: raises ``code`` on its first ``times`` calls, then answers how
+    many calls there were (counted by a sequence, which a rollback does not undo)."""
+    conn.execute("create sequence public.conflict_calls")
+    conn.execute(f"""create function public.conflicting() returns bigint language plpgsql as $$
+        declare n bigint := nextval('public.conflict_calls');
+        begin
+            if n <= {times} then
+                raise exception using errcode = '{code}', message = 'key changed hands (call ' || n || '); try again';
+            end if;
+            return n;
+        end $$""")
+
+
+def _calls(conn: psycopg.Connection) -> int:
+    row = conn.execute("select last_value from public.conflict_calls").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.mark.parametrize("code", ["40001", "40P01", "55P03"])
+def test_a_conflict_is_retried_even_for_a_call_that_is_not_idempotent(store: PostgresStore, conn: psycopg.Connection,
+                                                                      code: str) -> None:
+    _conflicting(conn, code, times=2)
+    assert store._one("select public.conflicting()", idempotent=False) == 3
+
+
+@pytest.mark.parametrize(("code", "kind"), [("40001", "serialization failure"), ("40P01", "deadlock"),
+                                            ("55P03", "lock not available")])
+def test_a_conflict_that_persists_is_database_unavailable_naming_the_database_and_the_cause(
+        db_url: str, conn: psycopg.Connection, code: str, kind: str) -> None:
+    _conflicting(conn, code, times=10**6)
+    with PostgresStore(db_url, attempts=3) as s, pytest.raises(DatabaseUnavailable) as info:
+        s._one("select public.conflicting()", idempotent=False)
+    assert _calls(conn) == 3  # every try, and no more
+    text = str(info.value)
+    assert "\n" not in text
+    for words in (s.name, kind, code, "key changed hands (call 3)", "nothing was committed"):
+        assert words in text, (words, text)
+    assert isinstance(info.value.__cause__, psycopg.Error)
+
+
+def test_a_real_deadlock_is_retried(store: PostgresStore, db_url: str, conn: psycopg.Connection) -> None:
+    """The store's call takes row 2 then row 1; another transaction holds row 1 and then takes row 2.
+    The server breaks the deadlock by rolling the store's call back (its deadlock check runs first:
+    the other's deadlock_timeout is long), the other commits, the store's second try goes through."""
+    conn.execute("create table public.pair (id int primary key, v int not null)")
+    conn.execute("insert into public.pair values (1, 0), (2, 0)")
+    conn.execute("create sequence public.pair_calls")
+    conn.execute("""create function public.take_both() returns bigint language plpgsql as $$
+        declare n bigint := nextval('public.pair_calls');
+        begin
+            update public.pair set v = v + 1 where id = 2;
+            update public.pair set v = v + 1 where id = 1;
+            return n;
+        end $$""")
+    outcome: dict[str, Any] = {}
+    with psycopg.connect(db_url) as other:
+        other.execute("set deadlock_timeout = '30s'")
+        other.execute("update public.pair set v = v + 10 where id = 1")
+
+        def call() -> None:
+            try:
+                outcome["n"] = store._one("select public.take_both()", idempotent=False)
+            except Exception as exc:
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not conn.execute("select 1 from pg_stat_activity where datname = current_database()"
+                               " and wait_event_type = 'Lock' and query like '%take_both%'").fetchone():
+            assert time.monotonic() < deadline, "the store's call never waited for row 1"
+            time.sleep(0.02)
+        other.execute("update public.pair set v = v + 10 where id = 2")  # the deadlock: the store's call is rolled back
+        other.commit()
+        thread.join(30)
+    assert outcome == {"n": 2}, outcome
+    assert conn.execute("select array_agg(v order by id) from public.pair").fetchone() == ([11, 11],)
+
+
+def test_enqueue_is_retried_when_its_key_changes_hands(store: PostgresStore, conn: psycopg.Connection) -> None:
+    """fleet.enqueue_task raises 40001 ("changed hands during this enqueue; try again") when the
+    key's task moved while it waited; here a trigger raises it on the first insert."""
+    _conflicting(conn, "40001", times=1)
+    conn.execute("""create function public.conflict_on_insert() returns trigger language plpgsql as $$
+        begin perform public.conflicting(); return new; end $$""")
+    conn.execute("create trigger conflict_on_insert before insert on fleet.tasks"
+                 " for each row execute function public.conflict_on_insert()")
+    task_id, created = store.enqueue("a", "moved:1")
+    assert created and store.get_task(task_id).key == "moved:1"
+    assert store.enqueue_many("a", [{"key": "moved:2"}, {"key": "moved:3"}])[0][1] is True
+    assert _calls(conn) == 4  # the refused insert, then one per task
+
+
+def test_the_cli_says_a_persistent_conflict_in_one_line(store: PostgresStore, db_url: str, conn: psycopg.Connection,
+                                                        tmp_path: Path) -> None:
+    from fleetkit import one_line
+
+    from worker.db.url import redact
+
+    _conflicting(conn, "40001", times=10**6)
+    conn.execute("""create function public.conflict_on_insert() returns trigger language plpgsql as $$
+        begin perform public.conflicting(); return new; end $$""")
+    conn.execute("create trigger conflict_on_insert before insert on fleet.tasks"
+                 " for each row execute function public.conflict_on_insert()")
+    (tmp_path / "fleet.toml").write_text('[lanes.a]\ncommand = ["true"]\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_") and k != "DATABASE_URL"}
+    result = subprocess.run([sys.executable, "-m", "monitor.cli", "enqueue", "a", "--key", "k1"], cwd=tmp_path,
+                            env={**env, "DATABASE_URL": db_url, "FLEET_CONFIG": str(tmp_path / "fleet.toml"),
+                                 "COLUMNS": "300"},
+                            capture_output=True, text=True, timeout=120)
+    line = one_line(result)
+    assert redact(db_url) in line and "serialization failure" in line and "nothing was committed" in line, line
+    assert count(conn, "tasks") == 0
+
+
+def test_any_other_database_error_is_a_fleet_error_naming_the_database(store: PostgresStore,
+                                                                        conn: psycopg.Connection) -> None:
+    conn.execute("""create function public.boom() returns int language plpgsql as $$
+        begin raise exception using message = 'boom', hint = 'it always does'; end $$""")
+    with pytest.raises(FleetError) as info:
+        store._one("select public.boom()")
+    assert type(info.value) is FleetError
+    assert str(info.value) == f"{store.name} refused the call: boom (P0001) (it always does)"
+    assert isinstance(info.value.__cause__, psycopg.errors.RaiseException)
+
+
+def test_the_dashboards_roll_up_still_reads_on_a_read_only_connection(db_url: str) -> None:
+    from monitor.dashboards.reads import roll_up
+
+    read_only = make_conninfo(db_url, options="-c default_transaction_read_only=on")
+    with PostgresStore(read_only) as s:
+        roll_up(s)  # a read-only replica: the views compute the hours live
+
+
+# ------------------------------------------------------------------------------------------------
 # the embedded default
 
 

@@ -78,3 +78,20 @@ SQLSTATE_ERRORS: dict[str, type[FleetError]] = {
     "LF008": LaneForbidden,
     "LF009": LaneRetired,
 }
+
+
+#: SQLSTATEs of a call whose transaction the server rolled back for a conflict with another
+#: transaction, by name: nothing was committed and the same call may well succeed at once, so both
+#: stores repeat any call that meets one. (Not 40002, a deferred constraint that failed at commit,
+#: which would fail again; not 40003, "statement completion unknown", which may have committed.)
+CONFLICTS: dict[str, str] = {
+    "40000": "transaction rollback",
+    "40001": "serialization failure",
+    "40P01": "deadlock",
+    "55P03": "lock not available",
+}
+
+
+def conflict(sqlstate: str | None) -> str | None:
+    """The name of the conflict ``sqlstate`` is (:data:`CONFLICTS`), or None if it is none."""
+    return CONFLICTS.get(sqlstate or "")

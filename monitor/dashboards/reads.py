@@ -22,7 +22,7 @@ from uuid import UUID
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from worker.errors import DatabaseUnavailable, InvalidInput
+from worker.errors import DatabaseUnavailable, FleetError, InvalidInput
 from worker.store.postgres import PostgresStore, translate
 from worker.store.protocol import Store
 from worker.store.reads import load_queries
@@ -73,8 +73,9 @@ def roll_up(store: PostgresStore) -> None:
     views compute the hours not rolled up live."""
     try:
         store._run("select fleet.roll_up_lane_hours()")
-    except (psycopg.errors.InsufficientPrivilege, psycopg.errors.ReadOnlySqlTransaction):
-        pass
+    except FleetError as exc:  # the store names every database error; its cause says which
+        if not isinstance(exc.__cause__, psycopg.errors.InsufficientPrivilege | psycopg.errors.ReadOnlySqlTransaction):
+            raise
 
 
 @contextmanager

@@ -2,13 +2,19 @@
 through a connection pool, one thin call site per ``fleet.*`` function (the
 :class:`~worker.store.protocol.Store` protocol); no transition is decided here.
 
-Retries: a transient connection failure is retried with tenacity, and only that. Calls that are
+Retries: a transient connection failure is retried with tenacity, and so is a conflict. Calls that are
 safe to repeat (heartbeat, checkpoint, record_run, enqueue by key, open_session — a duplicate
 empty session only times out —, the monitor's repairs, which repair only what is still broken,
 and reads) are retried on any connection error; calls that are not (claim, complete, fail, …)
 are retried only when the connection could not be had at all, because a call that failed
 mid-flight may have committed (the shift then makes it again itself: the lease token fences it).
-A constraint violation or an ``LF`` error is never retried.
+A conflict — a serialization failure (40001, also what ``fleet.enqueue_task`` raises when a key
+changes hands under it: "try again"), a deadlock (40P01), a lock not available (55P03) — rolled the
+call's transaction back, so nothing was committed and every call is retried, within the same
+budget; when the tries run out it is :class:`~worker.errors.DatabaseUnavailable` naming the
+database and the conflict. A constraint violation or an ``LF`` error is never retried, and any
+other database error is a :class:`~worker.errors.FleetError` naming it: no psycopg exception
+leaves the store.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from tenacity import (
     stop_after_attempt,
     stop_after_delay,
     wait_exponential,
+    wait_random,
 )
 
 from worker.config import FleetConfig
@@ -40,6 +47,7 @@ from worker.errors import (
     DatabaseUnavailable,
     FleetError,
     InvalidInput,
+    conflict,
 )
 from worker.models import Heartbeat, LeaseAnswer, RepairAction, Task
 from worker.store.protocol import (
@@ -57,8 +65,10 @@ def _json(value: Any) -> Jsonb | None:
     return None if value is None else Jsonb(value)
 
 
-def translate(exc: psycopg.Error) -> Exception:
-    """The FleetError for a database error, or the error itself if it is not ours to name."""
+def translate(exc: psycopg.Error, name: str = "the database") -> FleetError:
+    """The FleetError for a database error: an ``LF`` error's own class, bad input, a missing
+    schema, a conflict (:class:`DatabaseUnavailable`: nothing committed, try again), else a plain
+    FleetError naming ``name`` (the database), the server's message and its SQLSTATE."""
     diag = exc.diag
     cls = SQLSTATE_ERRORS.get(exc.sqlstate or "")
     if cls is not None:
@@ -69,7 +79,13 @@ def translate(exc: psycopg.Error) -> Exception:
         return FleetError(diag.message_primary or str(exc),
                           "the database is not migrated (run `fleet migrate`), or a newer lanefleet migrated it"
                           " (upgrade this host)")
-    return exc
+    message = diag.message_primary or " ".join(str(exc).split()) or type(exc).__name__
+    kind = conflict(exc.sqlstate)
+    if kind is not None:
+        return DatabaseUnavailable(f"{name} rolled the call back ({kind}, {exc.sqlstate}): {message}",
+                                   "nothing was committed; try again")
+    return FleetError(f"{name} refused the call: {message} ({exc.sqlstate or type(exc).__name__})",
+                      diag.message_hint or None)
 
 
 def deadlines(url: str, budget: float, *, pooler: bool) -> dict[str, Any]:
@@ -96,6 +112,14 @@ def deadlines(url: str, budget: float, *, pooler: bool) -> dict[str, Any]:
 
 class _Transient(Exception):
     """A connection failure that is safe to retry."""
+
+
+class _Conflict(_Transient):
+    """A conflict (:data:`worker.errors.CONFLICTS`): the call's transaction was rolled back; safe to retry."""
+
+    def __init__(self, error: psycopg.Error) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class PostgresStore(NamedReads):
@@ -145,8 +169,11 @@ class PostgresStore(NamedReads):
     def _run(self, query: LiteralString, params: Sequence[Any] | dict[str, Any] = (), *,
              idempotent: bool = True) -> list[dict[str, Any]]:
         deadline = None if self._budget is None else time.monotonic() + self._budget
+        tries = 0
 
         def once() -> list[dict[str, Any]]:
+            nonlocal tries
+            tries += 1
             wait = None if deadline is None else max(0.1, deadline - time.monotonic())
             try:
                 conn = self.pool.getconn(timeout=wait)
@@ -155,16 +182,17 @@ class PostgresStore(NamedReads):
             try:
                 cur = conn.execute(query, params)
                 return cur.fetchall() if cur.description else []
-            except psycopg.OperationalError as exc:
-                if exc.sqlstate and exc.sqlstate[:2] not in ("08", "57"):
-                    raise translate(exc) from exc
+            except psycopg.Error as exc:
+                if conflict(exc.sqlstate):
+                    raise _Conflict(exc) from exc  # rolled back: nothing committed, any call may be repeated
+                lost = exc.sqlstate is None or exc.sqlstate[:2] in ("08", "57") or exc.sqlstate == "40003"
+                if not isinstance(exc, psycopg.OperationalError) or not lost:
+                    raise translate(exc, self.name) from exc
                 if idempotent:
                     raise _Transient(str(exc)) from exc
                 raise DatabaseUnavailable(
                     f"the connection to {self.name} failed during a call that may have committed: {exc}"
                 ) from exc
-            except psycopg.Error as exc:
-                raise translate(exc) from exc
             finally:
                 self.pool.putconn(conn)  # the pool discards a broken connection
 
@@ -172,9 +200,17 @@ class PostgresStore(NamedReads):
             for attempt in Retrying(retry=retry_if_exception_type(_Transient),
                                     stop=stop_after_attempt(self._attempts) | stop_after_delay(
                                         self._budget if self._budget is not None else float("inf")),
-                                    wait=wait_exponential(multiplier=0.2, max=5), reraise=True):
+                                    # (the jitter: callers that conflicted do not all come back at once)
+                                    wait=wait_exponential(multiplier=0.2, max=5) + wait_random(0, 0.05),
+                                    reraise=True):
                 with attempt:
                     return once()
+        except _Conflict as exc:
+            raise DatabaseUnavailable(
+                f"{self.name} rolled the call back {tries} time(s) for a conflict with other transactions"
+                f" ({conflict(exc.error.sqlstate)}, {exc.error.sqlstate}):"
+                f" {exc.error.diag.message_primary or exc}",
+                "nothing was committed; try again") from exc.error
         except _Transient as exc:
             raise DatabaseUnavailable(f"{self.name} is unreachable: {exc}") from None
         raise AssertionError("unreachable")  # pragma: no cover
