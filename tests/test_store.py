@@ -14,14 +14,17 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import psycopg
 import pytest
 from fleetkit import Backend
+from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from sqlkit import expire
 
@@ -723,6 +726,164 @@ def test_the_dashboards_roll_up_still_reads_on_a_read_only_connection(db_url: st
     read_only = make_conninfo(db_url, options="-c default_transaction_read_only=on")
     with PostgresStore(read_only) as s:
         roll_up(s)  # a read-only replica: the views compute the hours live
+
+
+# ------------------------------------------------------------------------------------------------
+# conflicts and cancelled statements, read alike on both back-ends (supabase: a real PostgREST)
+
+
+def _api_setting(backend: Backend, key: str, name: str) -> str | None:
+    """``current_setting(name)`` in a request PostgREST makes as the worker role (None: no answer yet)."""
+    assert backend.stack is not None
+    answer = httpx.post(f"{backend.stack.url}/rest/v1/rpc/lf_test_setting", json={"p_name": name},
+                        headers={"apikey": backend.stack.anon_key, "Authorization": f"Bearer {key}",
+                                 "Content-Profile": "public", "Accept-Profile": "public"}, timeout=5)
+    return str(answer.json()) if answer.status_code == 200 else None
+
+
+def _set_worker_role(backend: Backend, key: str, settings: dict[str, str | None]) -> None:
+    """Set (None: reset) settings of the worker role and wait until PostgREST's requests have them."""
+    with psycopg.connect(backend.db_url, autocommit=True) as c:
+        for name, value in settings.items():
+            if value is None:
+                c.execute(sql.SQL("alter role fleet_worker reset {}").format(sql.Identifier(name)))
+            else:
+                c.execute(sql.SQL("alter role fleet_worker set {} = {}").format(sql.Identifier(name),
+                                                                                 sql.Literal(value)))
+        c.execute("notify pgrst, 'reload config'")
+        c.execute("notify pgrst, 'reload schema'")
+    deadline = time.monotonic() + 20
+    for name, value in settings.items():
+        while True:
+            now = _api_setting(backend, key, name)
+            if now is not None and (now == value if value is not None else now in ("0", "0ms")):
+                break
+            assert time.monotonic() < deadline, f"PostgREST never applied {name} = {value} (it says {now})"
+            time.sleep(0.1)
+
+
+@contextmanager
+def worker_store(backend: Backend, lane: str, *, attempts: int,
+                 settings: dict[str, str] | None = None) -> Iterator[PostgresStore]:
+    """A store of ``lane``'s worker with ``attempts`` tries per call, whose statements run with
+    ``settings`` (statement_timeout, lock_timeout): on postgres, its connections'; on supabase, the
+    worker role's, which PostgREST applies to every request it makes as that role (undone
+    afterwards: the stack is shared by the tests of this process)."""
+    settings = settings or {}
+    if not backend.rest:
+        options = " ".join(f"-c {k}={v}" for k, v in settings.items())
+        with PostgresStore(make_conninfo(backend.db_url, options=options) if options else backend.db_url,
+                           attempts=attempts) as s:
+            yield s
+        return
+    from worker.store.supabase import SupabaseStore
+
+    assert backend.stack is not None
+    key = backend.key("worker", [lane])
+    assert key is not None
+    with psycopg.connect(backend.db_url, autocommit=True) as c:
+        c.execute("create or replace function public.lf_test_setting(p_name text) returns text language sql"
+                  " stable as $$ select current_setting(p_name) $$")
+        c.execute("grant execute on function public.lf_test_setting(text) to fleet_worker")
+    try:
+        _set_worker_role(backend, key, dict(settings))
+        with SupabaseStore(backend.stack.url, backend.stack.anon_key, key, attempts=attempts) as s:
+            yield s  # type: ignore[misc]
+    finally:
+        _set_worker_role(backend, key, dict.fromkeys(settings))
+        with psycopg.connect(backend.db_url, autocommit=True) as c:
+            c.execute("drop function public.lf_test_setting(text)")
+            c.execute("notify pgrst, 'reload schema'")
+
+
+@contextmanager
+def conflicts_on_update(db_url: str, code: str, times: int) -> Iterator[Callable[[], int]]:
+    """Every update of fleet.tasks raises ``code`` for the first ``times`` statements; yields how
+    many statements tried (a sequence: a rollback does not undo it). Dropped afterwards."""
+    with psycopg.connect(db_url, autocommit=True) as c:
+        c.execute("create sequence public.lf_test_conflicts")
+        c.execute(f"""create function public.lf_test_conflict() returns trigger language plpgsql as $$
+            begin
+                if nextval('public.lf_test_conflicts') <= {times} then
+                    raise exception using errcode = '{code}', message = 'the test''s conflict';
+                end if;
+                return null;
+            end $$""")
+        c.execute("create trigger lf_test_conflict before update on fleet.tasks"
+                  " for each statement execute function public.lf_test_conflict()")
+
+    def tried() -> int:
+        with psycopg.connect(db_url, autocommit=True) as c:
+            row = c.execute("select last_value from public.lf_test_conflicts").fetchone()
+        assert row is not None
+        return int(row[0])
+
+    try:
+        yield tried
+    finally:
+        with psycopg.connect(db_url, autocommit=True) as c:
+            c.execute("drop trigger lf_test_conflict on fleet.tasks")
+            c.execute("drop function public.lf_test_conflict()")
+            c.execute("drop sequence public.lf_test_conflicts")
+
+
+@pytest.mark.parametrize("code", ["40001", "40P01", "55P03"])
+def test_a_conflict_is_retried_for_a_claim_on_both_back_ends(backend: Backend, code: str) -> None:
+    # (over PostgREST 12 a 40001 never reaches the client: PostgREST repeats the transaction itself)
+    with PostgresStore(backend.db_url) as direct:
+        direct.sync_lane("docs", settings())
+        task_id, _ = direct.enqueue("docs", "c:1")
+        with worker_store(backend, "docs", attempts=4) as store:
+            session = store.open_session("docs", "h", 4242, None, 600)
+            with conflicts_on_update(backend.db_url, code, times=2) as tried:
+                assert [t.id for t in store.claim(session, 1)] == [task_id]  # not safe to repeat, but rolled back
+                assert tried() == 3
+        assert direct.get_task(task_id).attempts == 1
+
+
+@pytest.mark.parametrize(("code", "kind"), [("40P01", "deadlock"), ("55P03", "lock not available")])
+def test_a_conflict_that_persists_is_database_unavailable_on_both_back_ends(backend: Backend, code: str,
+                                                                            kind: str) -> None:
+    # (not 40001: PostgREST 12 repeats it itself, for as long as it lasts; the psycopg store's answer
+    # to a lasting 40001 is test_a_conflict_that_persists_is_database_unavailable_naming_...)
+    with PostgresStore(backend.db_url) as direct:
+        direct.sync_lane("docs", settings())
+        task_id, _ = direct.enqueue("docs", "c:1")
+        with worker_store(backend, "docs", attempts=3) as store:
+            session = store.open_session("docs", "h", 4242, None, 600)
+            with conflicts_on_update(backend.db_url, code, times=10**6) as tried:
+                with pytest.raises(DatabaseUnavailable) as info:
+                    store.claim(session, 1)
+                assert tried() == 3  # every try, no more
+        text = str(info.value)
+        assert "\n" not in text
+        for words in ("3 time(s)", kind, code, "the test's conflict", "nothing was committed"):
+            assert words in text, (words, text)
+        assert (direct.get_task(task_id).state, direct.get_task(task_id).attempts) == ("queued", 0)
+
+
+def test_a_call_held_past_the_statement_timeout_is_database_unavailable_on_both_back_ends(backend: Backend) -> None:
+    """A heartbeat queued behind a lock for longer than the statement timeout: retried (it is safe to
+    repeat) and, while the lock holds, DatabaseUnavailable — what a shift waits out — as a claim is
+    at once. Was a plain FleetError on supabase, which ended the shift."""
+    with PostgresStore(backend.db_url) as direct:
+        direct.sync_lane("docs", settings())
+        direct.enqueue("docs", "c:1")
+        with worker_store(backend, "docs", attempts=2, settings={"statement_timeout": "700ms"}) as store:
+            session = store.open_session("docs", "h", 4242, None, 600)
+            with psycopg.connect(backend.db_url) as locker:
+                locker.execute("select 1 from fleet.sessions where id = %s for update", (session,))
+                for call in (lambda: store.heartbeat(session), lambda: store.claim(session, 1)):
+                    with pytest.raises(DatabaseUnavailable) as info:
+                        call()
+                    assert "statement timeout" in str(info.value) and "\n" not in str(info.value), info.value
+                locker.rollback()
+            assert direct.get_task("c:1").state == "queued"
+            with psycopg.connect(backend.db_url) as locker:  # a lock let go within the tries: the retry goes through
+                locker.execute("select 1 from fleet.sessions where id = %s for update", (session,))
+                threading.Timer(1.0, locker.rollback).start()
+                assert store.heartbeat(session) == {}
+                time.sleep(0.2)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -188,10 +188,11 @@ class PostgresStore(NamedReads):
                 lost = exc.sqlstate is None or exc.sqlstate[:2] in ("08", "57") or exc.sqlstate == "40003"
                 if not isinstance(exc, psycopg.OperationalError) or not lost:
                     raise translate(exc, self.name) from exc
+                reason = exc.diag.message_primary or " ".join(str(exc).split())  # one line, without CONTEXT
                 if idempotent:
-                    raise _Transient(str(exc)) from exc
+                    raise _Transient(reason) from exc
                 raise DatabaseUnavailable(
-                    f"the connection to {self.name} failed during a call that may have committed: {exc}"
+                    f"the connection to {self.name} failed during a call that may have committed: {reason}"
                 ) from exc
             finally:
                 self.pool.putconn(conn)  # the pool discards a broken connection

@@ -12,7 +12,12 @@ same exceptions as with :class:`worker.store.postgres.PostgresStore` (a lost lea
 database (connection refused, 503, 429, PostgREST's own connection errors) is retried with
 jittered backoff; one that may have run (a timeout, 502, 504) is retried only if it is safe to
 repeat, else it is :class:`~worker.errors.DatabaseUnavailable` and the shift makes it again itself
-(the lease token fences it). Any other 4xx is never retried.
+(the lease token fences it). SQL errors are read by their SQLSTATE as the psycopg store reads them,
+whatever status PostgREST gave them (a 500): a cancelled statement (57014, a statement timeout,
+class 57) is retried if the call is safe to repeat, else it is DatabaseUnavailable; a conflict
+(:data:`~worker.errors.CONFLICTS`: 40001, 40P01, 55P03) rolled the call back, so it is retried
+for any call, and is DatabaseUnavailable naming it when the tries run out. Any other 4xx is never
+retried.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from worker.errors import (
     FleetError,
     InvalidInput,
     MigrationError,
+    conflict,
 )
 from worker.models import Heartbeat, LeaseAnswer, RepairAction, Task
 from worker.store.protocol import (
@@ -61,6 +67,15 @@ class AccessDenied(FleetError):
 
 class _Transient(Exception):
     """A failure that is safe to retry."""
+
+
+class _Conflict(_Transient):
+    """A conflict (:data:`~worker.errors.CONFLICTS`): the call was rolled back; safe to retry."""
+
+    def __init__(self, what: str, error: APIError) -> None:
+        super().__init__(f"{what}: {error.code} {error.message}")
+        self.what = what
+        self.error = error
 
 
 # PostgREST's own "cannot reach the database" errors (503, and 504 waiting for a pool connection):
@@ -148,6 +163,13 @@ class SupabaseStore(NamedReads):
         cls = SQLSTATE_ERRORS.get(code)
         if cls is not None:
             return cls(message, hint)
+        kind = conflict(code)
+        if kind is not None:
+            return DatabaseUnavailable(f"the database behind the Supabase API at {self.url} rolled the call back"
+                                       f" ({kind}, {code}): {message}", "nothing was committed; try again")
+        if code[:2] == "57":  # the statement was cancelled: a statement timeout (57014), a shutdown
+            return DatabaseUnavailable(f"the database behind the Supabase API at {self.url} cancelled the call"
+                                       f" ({code}): {message}")
         if code[:2] in ("22", "23"):  # data exception, integrity constraint: the caller's input
             return InvalidInput(message, exc.details if isinstance(exc.details, str) else hint)
         if code in _NOT_FOUND:
@@ -179,6 +201,14 @@ class SupabaseStore(NamedReads):
                 status = self._status.code
                 if exc.code in _NOT_RUN or status in (429, 503):  # refused before it ran
                     raise _Transient(f"{what}: {status} {exc.message}") from exc
+                if conflict(exc.code):  # rolled back: nothing committed, any call may be repeated
+                    raise _Conflict(what, exc) from exc
+                if (exc.code or "")[:2] == "57":  # cancelled (a statement timeout), as the psycopg store reads it
+                    if idempotent:
+                        raise _Transient(f"{what}: {exc.code} {exc.message}") from exc
+                    raise DatabaseUnavailable(
+                        f"the database behind the Supabase API at {self.url} cancelled {what} ({exc.code}:"
+                        f" {exc.message}), which is not safe to repeat") from exc
                 if status in (502, 504):
                     if idempotent:
                         raise _Transient(f"{what}: {status} {exc.message}") from exc
@@ -187,13 +217,20 @@ class SupabaseStore(NamedReads):
                 raise self._error(exc) from exc
 
         budget = self._budget if self._budget is not None else float("inf")
+        tries = 0
         try:
             for attempt in Retrying(retry=retry_if_exception_type(_Transient),
                                     stop=stop_after_attempt(self._attempts) | stop_after_delay(budget),
                                     wait=wait_exponential_jitter(multiplier=0.1, max=5, jitter=0.5),
                                     reraise=True):
                 with attempt:
+                    tries += 1
                     return once()
+        except _Conflict as exc:
+            raise DatabaseUnavailable(
+                f"the database behind the Supabase API at {self.url} rolled {what} back {tries} time(s) for a"
+                f" conflict with other transactions ({conflict(exc.error.code)}, {exc.error.code}): {exc.error.message}",
+                "nothing was committed; try again") from exc.error
         except _Transient as exc:
             raise DatabaseUnavailable(f"the Supabase API at {self.url} is unreachable: {exc}") from None
         raise AssertionError("unreachable")  # pragma: no cover
