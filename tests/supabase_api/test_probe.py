@@ -90,7 +90,7 @@ NEUTRAL = {
     "p_failures_before", "p_by", "p_since",
     # a source's pass: what the tracker said
     "p_items", "p_pr", "p_cache", "p_cursor", "p_resume_at", "p_sha", "p_runs", "p_verdict", "p_revert_sha",
-    "p_reverted_at", "p_value",
+    "p_reverted_at", "p_value", "p_why",
     # a pool's usage windows
     "p_windows", "p_reserve", "p_name", "w", "p_reading", "p_room", "p_tokens", "p_usd", "r",
     # rows of a table: the private helpers that take one (no key role may call them)
