@@ -19,9 +19,12 @@ import pytest
 from fleetkit import Backend
 from supabase_stack import client, key, snapshot, sql
 
+from worker.config import LaneConfig
 from worker.dev.devstack import DevStack
-from worker.errors import InvalidInput, LaneForbidden, UnknownLane
+from worker.errors import FleetError, InvalidInput, LaneForbidden, UnknownLane
+from worker.models import Task
 from worker.store.postgres import PostgresStore
+from worker.store.supabase import SupabaseStore
 
 # ------------------------------------------------------------------------------------------------
 # the store, on both back-ends (supabase: a real PostgREST, a worker key for lane docs)
@@ -244,3 +247,125 @@ def test_enqueue_from_refuses_single_task_options(cli: Any, db_url: str, tmp_pat
     r = cli("enqueue", "docs")
     assert r.returncode == 1 and "--key" in r.stderr, r.stderr
     assert tasks_of(db_url) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# answers longer than PostgREST's db-max-rows (1,000 in the stack, as on Supabase): whole, on both
+
+
+PAST_MAX_ROWS = 1500
+
+
+def test_answers_past_the_apis_max_rows_are_whole_on_both_back_ends(backend: Backend) -> None:
+    """PostgREST cuts a set of rows at db-max-rows without a word: enqueue_many of 1,500 answered
+    1,000 (all 1,500 queued), list_tasks stopped at 1,000. Each call here answers as the psycopg
+    store does: the writing ones in one call (complete_many, reconcile too), the reads page by page."""
+    from sqlkit import expire
+
+    from worker.store.sync import lane_settings
+
+    n = PAST_MAX_ROWS
+    direct = PostgresStore(backend.db_url)
+    worker = backend.store(backend.key("worker", ["docs"]))
+    operator = backend.store(backend.key("operator"))
+    try:
+        direct.sync_lane("docs", lane_settings(LaneConfig(command=["true"], stall_seconds=1, lease_seconds=3)))
+        tasks = [{"key": f"m:{i}"} for i in range(n)]
+        got = worker.enqueue_many("docs", tasks)
+        assert len(got) == n and all(created for _, created in got)
+        ids = [task_id for task_id, _ in got]
+        assert ids == sorted(ids) and len(set(ids)) == n
+        assert worker.enqueue_many("docs", tasks) == [(task_id, False) for task_id in ids]  # idempotent, in order
+        assert [t.id for t in operator.list_tasks("docs", limit=1200)] == ids[::-1][:1200]
+        assert len(operator.list_tasks("docs", limit=n + 10)) == n
+        assert operator.query("states_with_prefix", prefix="m:") == [{"state": "queued", "n": n}]
+
+        session = worker.open_session("docs", "h", 4242, None, 600)
+        claimed: list[Task] = []
+        while len(claimed) < n:  # a claim answers up to its limit (over the API: at most db-max-rows at once)
+            batch = worker.claim(session, n - len(claimed))
+            assert batch, f"nothing more to claim after {len(claimed)}"
+            claimed += batch
+        assert sorted(t.id for t in claimed) == ids
+        if backend.rest:  # a writing function's answer cut all the same (one shift of 1,500 agents): said
+            with pytest.raises(FleetError, match=r"fleet.heartbeat answered 15\d\d rows .* passed on only 1000"):
+                worker.heartbeat(session)
+        else:
+            assert len(worker.heartbeat(session)) == n
+        with psycopg.connect(backend.db_url, autocommit=True) as conn:
+            conn.execute("update fleet.tasks set last_progress_at = now() - interval '1 minute'")
+            stalled = operator.stalled_tasks()  # a read-only function: read on, page by page
+            assert [r["task_id"] for r in stalled] == ids
+            if backend.rest:  # a project whose Max rows is lower than the default: shorter pages
+                assert backend.stack is not None
+                with SupabaseStore(backend.stack.url, backend.stack.anon_key, backend.key("operator") or "",
+                                   max_rows=400) as small:
+                    assert [t.id for t in small.list_tasks("docs", limit=n)] == ids[::-1]
+                    assert [r["task_id"] for r in small.stalled_tasks()] == ids
+
+            finished = claimed[:1100]
+            assert worker.complete_many([(t.id, t.lease_token) for t in finished]) == {  # type: ignore[misc]
+                t.id: "done" for t in finished}
+            left = sorted(t.id for t in claimed[1100:])
+            # another session's 1,100 tasks go silent with it: one pass repairs them all
+            other = worker.open_session("docs", "h2", 4243, None, 600)
+            worker.enqueue_many("docs", [{"key": f"r:{i}"} for i in range(1100)])
+            again: list[Task] = []
+            while len(again) < 1100:
+                again += worker.claim(other, 1100 - len(again))
+            expire(conn, *left, *(t.id for t in again))
+        actions = operator.reconcile()
+        repaired = sorted(a.task_id for a in actions if a.task_id is not None)
+        assert repaired == sorted([*left, *(t.id for t in again)]), (len(repaired), len(left) + len(again))
+    finally:
+        for s in {id(s): s for s in (worker, operator, direct)}.values():
+            s.close()
+
+
+def test_enqueue_from_a_file_past_the_apis_max_rows_on_both_back_ends(backend: Backend, tmp_path: Path) -> None:
+    """`fleet enqueue --from` of 1,500 lines said "1000 created", and with --json failed on its zip()
+    after it had queued them all."""
+    import os
+
+    with PostgresStore(backend.db_url) as direct:
+        direct.sync_lane("docs", {})
+    (tmp_path / "fleet.toml").write_text(FLEET_TOML)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"key": f"f:{i}"}) + "\n" for i in range(PAST_MAX_ROWS)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEET_") and k != "DATABASE_URL"}
+    env.update(backend.env(backend.key("operator")), FLEET_CONFIG=str(tmp_path / "fleet.toml"), COLUMNS="200")
+
+    def fleet(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "monitor.cli", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    first = fleet("enqueue", "docs", "--from", str(tasks))
+    assert (first.returncode, first.stdout.strip()) == (0, f"{PAST_MAX_ROWS} created, 0 already existed"), first
+    again = fleet("enqueue", "docs", "--from", str(tasks), "--json")
+    assert again.returncode == 0, again.stderr
+    answer = json.loads(again.stdout)
+    assert (answer["created"], answer["existing"], len(answer["tasks"])) == (0, PAST_MAX_ROWS, PAST_MAX_ROWS)
+    assert [t["line"] for t in answer["tasks"]] == list(range(1, PAST_MAX_ROWS + 1))
+    assert len({t["id"] for t in answer["tasks"]}) == PAST_MAX_ROWS
+
+
+def test_every_set_returning_function_is_read_whole_over_rest(conn: psycopg.Connection) -> None:
+    """The Supabase store reads on, page by page, only functions that just read (a cut answer of one
+    that writes cannot be had by calling it again); every set-returning function a key may call that
+    writes answers one row, has a twin answering one value, or has an answer bounded by its caller."""
+    from worker.store.supabase import PAGED_READS
+
+    sets = {name: volatility for name, volatility in conn.execute("""
+        select p.proname, p.provolatile from pg_proc p
+         where p.pronamespace = 'fleet'::regnamespace and p.proretset and p.proname !~ '^_'
+           and (has_function_privilege('fleet_worker', p.oid, 'execute')
+                or has_function_privilege('fleet_operator', p.oid, 'execute'))""").fetchall()}
+    assert PAGED_READS <= {name for name, volatility in sets.items() if volatility in ("s", "i")}, sets
+    writes = {name for name, volatility in sets.items() if volatility == "v"}
+    twins = {name.removesuffix("_json") for name, in conn.execute(
+        "select proname from pg_proc where pronamespace = 'fleet'::regnamespace and proname like '%\\_json'")}
+    one_row = {"enqueue_task", "enqueue_after"}
+    # a claim asks for at most max_rows; a heartbeat and a session declared lost answer per task of
+    # one shift (its slots), source_sync per item of one page (worker.sources.passes.SYNC_PAGE)
+    bounded = {"claim", "heartbeat", "declare_session_lost", "source_sync"}
+    assert writes - twins - one_row - bounded == set(), "a writing set-returning function the store would cut"

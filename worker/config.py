@@ -83,6 +83,9 @@ class SupabaseConfig(_Strict):
     # `fleet run` only: the worker key the shifts it launches use (env FLEET_WORKER_KEY), while its
     # monitor passes use `key`, which must then be an operator key
     worker_key: str | None = None
+    # the project's Max rows (PostgREST's db-max-rows; Supabase's default 1000): the longest page the
+    # store asks for. Set it to the project's if that is lower.
+    max_rows: int = Field(default=1000, ge=1)
 
 
 class FleetSection(_Strict):

@@ -525,3 +525,22 @@ comment on function fleet.enqueue_many is
     'title, priority, run_at or delay_seconds, max_attempts, tier, profile, max_cost_usd, max_tokens.';
 revoke all on function fleet.enqueue_many(text,jsonb) from public;
 grant execute on function fleet.enqueue_many(text,jsonb) to fleet_operator, fleet_worker, service_role;
+
+-- enqueue_many's answer as one value, a JSON array of {idx, id, key, created} in input order: the
+-- call of the Supabase store. PostgREST cuts a set of rows at its db-max-rows (1,000 on Supabase),
+-- and a call that writes cannot be made again to read the rest; one value is never cut. The same
+-- transaction, the same refusals.
+create or replace function fleet.enqueue_many_json(p_lane text, p_tasks jsonb)
+returns jsonb
+language sql
+security definer set search_path = pg_catalog, fleet, pg_temp
+as $$
+    select coalesce(jsonb_agg(jsonb_build_object('idx', e.idx, 'id', e.id, 'key', e.key, 'created', e.created)
+                              order by e.idx), '[]')
+      from fleet.enqueue_many(p_lane, p_tasks) e;
+$$;
+comment on function fleet.enqueue_many_json(text, jsonb) is
+    'fleet.enqueue_many with its answer as one JSON array of {idx, id, key, created}, in input order '
+    '(one value: PostgREST''s db-max-rows does not cut it).';
+revoke all on function fleet.enqueue_many_json(text,jsonb) from public;
+grant execute on function fleet.enqueue_many_json(text,jsonb) to fleet_operator, fleet_worker, service_role;

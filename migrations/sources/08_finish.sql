@@ -128,6 +128,22 @@ comment on function fleet.complete_many(bigint[], uuid[], jsonb[]) is
 revoke all on function fleet.complete_many(bigint[],uuid[],jsonb[]) from public;
 grant execute on function fleet.complete_many(bigint[],uuid[],jsonb[]) to fleet_worker, service_role;
 
+-- complete_many's answer as one value (see fleet.enqueue_many_json): a JSON array of {task_id,
+-- status} in input order.
+create or replace function fleet.complete_many_json(p_tasks bigint[], p_tokens uuid[], p_results jsonb[] default null)
+returns jsonb
+language sql
+security definer set search_path = pg_catalog, fleet, pg_temp
+as $$
+    select coalesce(jsonb_agg(jsonb_build_object('task_id', c.task_id, 'status', c.status) order by c.n), '[]')
+      from fleet.complete_many(p_tasks, p_tokens, p_results) with ordinality c(task_id, status, n);
+$$;
+comment on function fleet.complete_many_json(bigint[], uuid[], jsonb[]) is
+    'fleet.complete_many with its answer as one JSON array of {task_id, status}, in input order '
+    '(one value: PostgREST''s db-max-rows does not cut it).';
+revoke all on function fleet.complete_many_json(bigint[],uuid[],jsonb[]) from public;
+grant execute on function fleet.complete_many_json(bigint[],uuid[],jsonb[]) to fleet_worker, service_role;
+
 create or replace function fleet.fail(p_task bigint, p_token uuid, p_error text,
                            p_retryable boolean default true, p_reason text default null)
 returns text

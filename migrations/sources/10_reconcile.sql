@@ -141,6 +141,26 @@ $$;
 revoke all on function fleet.reconcile(integer,integer) from public;
 grant execute on function fleet.reconcile(integer,integer) to fleet_operator, service_role;
 
+-- reconcile's answer as one value (see fleet.enqueue_many_json): a JSON array of {action, lane,
+-- task_id, session_id, detail} in the pass's order. A pass after an outage can repair more tasks
+-- than PostgREST's db-max-rows lets through as rows.
+create or replace function fleet.reconcile_json(p_idle_seconds int default 300,
+                                                p_overdue_grace_seconds int default 60)
+returns jsonb
+language sql
+security definer set search_path = pg_catalog, fleet, pg_temp
+as $$
+    select coalesce(jsonb_agg(jsonb_build_object('action', r.action, 'lane', r.lane, 'task_id', r.task_id,
+                                                 'session_id', r.session_id, 'detail', r.detail) order by r.n), '[]')
+      from fleet.reconcile(p_idle_seconds, p_overdue_grace_seconds)
+           with ordinality r(action, lane, task_id, session_id, detail, n);
+$$;
+comment on function fleet.reconcile_json(integer, integer) is
+    'fleet.reconcile with its answer as one JSON array of {action, lane, task_id, session_id, detail}, '
+    'in order (one value: PostgREST''s db-max-rows does not cut it).';
+revoke all on function fleet.reconcile_json(integer,integer) from public;
+grant execute on function fleet.reconcile_json(integer,integer) to fleet_operator, service_role;
+
 -- What the monitor reports each pass: running tasks without progress for their lane's
 -- stall_seconds (liveness is not progress), and agents waiting on a prompt. Read only.
 create or replace function fleet.stalled_tasks()

@@ -170,8 +170,8 @@ class RestSnapshot(Snapshot):
                 q = q.gte(col, value.isoformat() if isinstance(value, datetime) else value)
             for col, desc in order or []:
                 q = q.order(col, desc=desc)
-            return q.limit(limit) if limit is not None else q
-        return self.s._rows(view, build)
+            return q
+        return self.s._rows(view, build, limit=limit)
 
     def now(self) -> datetime:
         # PostgREST tells no clock: this host's (only the page's "as of" and the windows use it)
@@ -201,8 +201,8 @@ class RestSnapshot(Snapshot):
                     q = q.eq(col, value)
             if text is not None:
                 q = q.or_(f"key.ilike.*{text}*,title.ilike.*{text}*")
-            return q.order("id", desc=True).limit(limit)
-        return self.s._rows("tasks", build)
+            return q.order("id", desc=True)
+        return self.s._rows("tasks", build, limit=limit)
 
     def task(self, task: int) -> dict[str, Any] | None:
         rows = self._view("tasks", eq={"id": task})
@@ -250,8 +250,8 @@ class RestSnapshot(Snapshot):
                           limit=limit)
 
     def cohort(self, since: datetime, until: datetime) -> dict[str, Any]:
-        rows = self.s._rpc("cohort_metrics", {"p_from": since.isoformat(), "p_to": until.isoformat(),
-                                              "p_lane": None})
+        rows = self.s._rpc_rows("cohort_metrics", {"p_from": since.isoformat(), "p_to": until.isoformat(),
+                                                   "p_lane": None})
         return dict(rows[0]) if rows else {}
 
 

@@ -722,3 +722,17 @@ def test_a_key_of_some_lanes_cannot_dispatch_with_another_lanes_profile(conn):
     assert count(conn, "tasks") == 0  # (rolled back with the key's transaction)
     # every lane's caller: any profile
     assert enqueue_many(conn, "docs", [{"key": "k", "profile": "secret-opus"}])[0]["created"] is True
+
+
+def test_enqueue_many_json_is_enqueue_many_answering_one_value(conn, lane):
+    """What the Supabase store calls (PostgREST cuts rows at db-max-rows, never one value): the same
+    answer, in input order, the same refusals, one transaction."""
+    tasks = [{"key": "j:1"}, {"key": "j:2", "title": "two"}, {"key": "j:1"}]
+    got = one(conn, "select fleet.enqueue_many_json(%s, %s)", (lane, Jsonb(tasks)))
+    assert [(r["idx"], r["key"], r["created"]) for r in got] == [(0, "j:1", True), (1, "j:2", True), (2, "j:1", False)]
+    assert [{**r, "created": False} for r in got] == [dict(r) for r in enqueue_many(conn, lane, tasks)]
+    assert one(conn, "select fleet.enqueue_many_json(%s, '[]')", (lane,)) == []
+    with refused(INVALID_ARGUMENT) as info:
+        one(conn, "select fleet.enqueue_many_json(%s, %s)", (lane, Jsonb([{"key": "j:3"}, {"key": "j:4", "priority": 5000}])))
+    assert info.value.diag.message_primary.startswith("p_tasks[1] (key 'j:4'): priority")
+    assert count(conn, "tasks") == 2

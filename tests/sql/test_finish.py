@@ -1377,3 +1377,17 @@ def test_sync_profile_refuses_a_throttle_floor_past_the_longest_window(conn):
 
 def last_event_of(conn: psycopg.Connection, kind: str) -> dict[str, Any]:
     return one(conn, "select detail from fleet.journal where kind = %s order by id desc limit 1", (kind,))
+
+
+def test_complete_many_json_is_complete_many_answering_one_value(lanes: psycopg.Connection) -> None:
+    conn = lanes
+    _, [a, b, c] = running_tasks(conn, "docs", 3)
+    got = one(conn, "select fleet.complete_many_json(%s::bigint[], %s::uuid[])",
+              ([c["id"], a["id"], b["id"]], [c["lease_token"], uuid.uuid4(), b["lease_token"]]))
+    assert got == [{"task_id": c["id"], "status": "done"}, {"task_id": a["id"], "status": "lost"},
+                   {"task_id": b["id"], "status": "done"}]
+    assert (task(conn, a["id"])["state"], task(conn, b["id"])["state"]) == ("running", "done")
+    with refused("LF005"):
+        one(conn, "select fleet.complete_many_json(%s::bigint[], %s::uuid[])",
+            ([a["id"], a["id"]], [a["lease_token"], a["lease_token"]]))
+    assert task(conn, a["id"])["state"] == "running"

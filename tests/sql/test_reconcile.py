@@ -679,3 +679,18 @@ def test_cost_follows_the_active_work_not_the_history(long_history: psycopg.Conn
     assert sorted(r["action"] for r in result) == ["released"] * 3
     assert {r["detail"]["reason"] for r in result} == {"lease-expired"}
     assert one(conn, "select count(*) from fleet.tasks where state = 'done'") == 50000
+
+
+def test_reconcile_json_is_reconcile_answering_one_value(conn):
+    sync_lane(conn, **STEP3)
+    enqueue(conn, "a")
+    enqueue(conn, "a")
+    s = open_session(conn, "a")
+    expired = claim_exactly(conn, s, 2)
+    expire(conn, *(t["id"] for t in expired))
+    with conn.transaction(force_rollback=True):
+        expected = reconcile(conn)
+    assert [a for a, _ in actions(expected)] == ["released", "released"]
+    got = one(conn, "select fleet.reconcile_json(300, 60)")
+    assert got == [{**r, "session_id": str(r["session_id"])} for r in expected]
+    assert one(conn, "select fleet.reconcile_json()") == []  # nothing more to repair

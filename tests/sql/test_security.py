@@ -47,7 +47,9 @@ API = {"enqueue_task", "enqueue", "enqueue_after", "open_session", "claim", "hea
        # dispatch and guard rails and the bulk calls
        "block", "throttle", "transient", "drop_session", "resume", "sync_pool", "sync_profile", "task_spend", "set_task_budget",
        "review_approve", "review_reject", "stalled_tasks", "lease_held", "enqueue_many", "complete_many",
-       "touch_workspace", "task_workspace", "workspaces_to_reap", "workspace_reaped"}
+       "touch_workspace", "task_workspace", "workspaces_to_reap", "workspace_reaped",
+       # the twins that answer one value (the Supabase store's: PostgREST cuts rows at db-max-rows)
+       "enqueue_many_json", "complete_many_json", "reconcile_json"}
 
 
 def test_every_fleet_function_is_closed_to_public(conn: psycopg.Connection) -> None:
@@ -111,13 +113,16 @@ def test_grants_run_as_owner_and_closed_to_public(conn: psycopg.Connection) -> N
                has_function_privilege('service_role', p.oid, 'EXECUTE') as service,
                exists (select 1 from aclexplode(p.proacl) a where a.grantee = 0) as public
           from pg_proc p
-         where p.pronamespace = 'fleet'::regnamespace and p.proname in ('enqueue_many', 'complete_many')""")}
-    assert set(got) == {"enqueue_many", "complete_many"}
+         where p.pronamespace = 'fleet'::regnamespace
+           and p.proname in ('enqueue_many', 'complete_many', 'enqueue_many_json', 'complete_many_json')""")}
+    assert set(got) == {"enqueue_many", "complete_many", "enqueue_many_json", "complete_many_json"}
     for r in got.values():
         assert r["prosecdef"] and r["proconfig"] == ["search_path=pg_catalog, fleet, pg_temp"]
         assert r["service"] and r["worker"] and not r["public"]
-    assert got["enqueue_many"]["operator"]  # like enqueue_task
-    assert not got["complete_many"]["operator"]  # like complete: a worker call
+    for name in ("enqueue_many", "enqueue_many_json"):
+        assert got[name]["operator"]  # like enqueue_task
+    for name in ("complete_many", "complete_many_json"):
+        assert not got[name]["operator"]  # like complete: a worker call
 
 
 def test_every_table_has_row_level_security(conn: psycopg.Connection) -> None:

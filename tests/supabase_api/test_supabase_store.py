@@ -239,8 +239,17 @@ def test_runtime_picks_the_supabase_store_from_config(lanes: DevStack, tmp_path:
         assert isinstance(st, SupabaseStore)
         assert st.enqueue("docs", "via-runtime")[1] is True
         assert r.store() is st  # made once
+        assert st.max_rows == 1000  # Supabase's default Max rows
     finally:
         r.close()
+    monkeypatch.setenv("FLEET_SUPABASE__MAX_ROWS", "250")  # a project whose Max rows is lower
+    r = Runtime(toml)
+    try:
+        st = r.store()
+        assert isinstance(st, SupabaseStore) and st.max_rows == 250
+    finally:
+        r.close()
+    monkeypatch.delenv("FLEET_SUPABASE__MAX_ROWS")
     monkeypatch.delenv("SUPABASE_ANON_KEY")
     with pytest.raises(ConfigError, match="SUPABASE_ANON_KEY"):
         Runtime(toml).store()

@@ -18,10 +18,22 @@ class 57) is retried if the call is safe to repeat, else it is DatabaseUnavailab
 (:data:`~worker.errors.CONFLICTS`: 40001, 40P01, 55P03) rolled the call back, so it is retried
 for any call, and is DatabaseUnavailable naming it when the tries run out. Any other 4xx is never
 retried.
+
+Long answers: PostgREST cuts every set of rows at its db-max-rows (Supabase's "Max rows", 1,000 by
+default), silently. Table reads are read page by page (``max_rows`` rows a page, in a total order).
+A set-returning function is called with ``count=exact`` (its result is materialized once, so the
+count costs no second run) and the count says whether the answer was cut: a function that only
+reads is then read on page by page; one that writes can never be called again to read the rest, so
+those whose answer has no bound have a twin that answers one JSON value (``enqueue_many_json``,
+``complete_many_json``, ``reconcile_json``: the same transaction, never cut), a claim asks for at
+most ``max_rows`` tasks (it answers "up to"), and the others (a heartbeat, a session declared lost,
+a source's page) answer a row per task of one shift or item of one page: if one was cut all the
+same, that is an error saying so rather than a silent loss.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections import Counter
@@ -32,6 +44,7 @@ from uuid import UUID
 
 import httpx
 from postgrest.exceptions import APIError
+from postgrest.types import CountMethod
 from tenacity import (
     Retrying,
     retry_if_exception_type,
@@ -83,6 +96,13 @@ class _Conflict(_Transient):
 _NOT_RUN = {"PGRST000", "PGRST001", "PGRST002", "PGRST003"}
 _NOT_FOUND = {"PGRST202", "PGRST205", "42883", "42P01"}
 _TIME_COLUMNS = {"ts", "deadline", "window_start", "window_end", "throttled_until"}
+#: PostgREST's db-max-rows on Supabase (its "Max rows" setting), in the dev stack and in the recipe
+MAX_ROWS = 1000
+#: the set-returning functions the store calls that only read (stable): an answer cut at
+#: db-max-rows is read on, page by page (tests/supabase_api/test_supabase_store.py checks that each
+#: is stable in the database)
+PAGED_READS = frozenset({"stalled_tasks", "task_spend", "lease_held", "workspaces_to_reap", "ready_by_lane",
+                         "lane_summary", "source_work", "cohort_metrics"})
 
 
 def _times(row: dict[str, Any]) -> dict[str, Any]:
@@ -100,13 +120,18 @@ class SupabaseStore(NamedReads):
     """The store over PostgREST (supabase-py)."""
 
     def __init__(self, url: str, anon_key: str, key: str, *, attempts: int = 5, timeout: float = 10.0,
-                 call_budget: float | None = None) -> None:
+                 call_budget: float | None = None, max_rows: int = MAX_ROWS) -> None:
         """``url``: the project URL (``https://<ref>.supabase.co``); ``anon_key``: the project's
         anon key; ``key``: the host's fleet key. ``call_budget``: the most seconds one call may
-        spend on retries (see :class:`worker.store.postgres.PostgresStore`)."""
+        spend on retries (see :class:`worker.store.postgres.PostgresStore`). ``max_rows``: the
+        project's db-max-rows (its Max rows), the longest page asked for; a lower one that a
+        function's count shows is taken instead."""
         from supabase import ClientOptions, create_client
 
+        if max_rows < 1:
+            raise ConfigError(f"max_rows must be at least 1, not {max_rows}")
         self.url = url
+        self.max_rows = max_rows
         self._attempts = attempts
         self._budget = call_budget
         per_try = timeout if call_budget is None else max(0.5, min(timeout, call_budget))
@@ -141,6 +166,7 @@ class SupabaseStore(NamedReads):
             raise ConfigError(f"store = \"supabase\" needs {', '.join(missing)}",
                               "mint a fleet key with `fleet keys mint`")
         assert url and key and anon
+        kwargs.setdefault("max_rows", cfg.supabase.max_rows)
         return cls(url, anon, key, **kwargs)
 
     def close(self) -> None:
@@ -236,11 +262,50 @@ class SupabaseStore(NamedReads):
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _rpc(self, fn: str, params: dict[str, Any], *, idempotent: bool = True) -> Any:
+        """A function's answer as PostgREST gives it: for one value (never cut by db-max-rows)."""
         return self._call(fn, lambda: self.client.rpc(fn, params).execute(), idempotent=idempotent).data
 
-    def _rows(self, what: str, build: Callable[[Any], Any]) -> list[dict[str, Any]]:
-        data = self._call(what, lambda: build(self.client).execute(), idempotent=True).data
-        return [_times(dict(r)) for r in data or []]
+    def _rpc_rows(self, fn: str, params: dict[str, Any], *, idempotent: bool = True) -> list[dict[str, Any]]:
+        """Every row a set-returning function answers (see the module's "Long answers")."""
+        response = self._call(fn, lambda: self.client.rpc(fn, params, count=CountMethod.exact).execute(),
+                              idempotent=idempotent)
+        rows = [dict(r) for r in response.data or []]
+        total = response.count
+        if total is None or len(rows) >= total:
+            return rows
+        if rows:
+            self.max_rows = min(self.max_rows, len(rows))  # the project's cap is lower than we were told
+        if fn not in PAGED_READS:
+            raise FleetError(f"fleet.{fn} answered {total} rows and the Supabase API at {self.url} passed on only"
+                             f" {len(rows)} (its Max rows, db-max-rows): the call was made, the other answers are lost",
+                             "raise the project's Max rows in its API settings")
+
+        def page(start: int, size: int) -> Any:
+            return self.client.rpc(fn, params).range(start, start + size - 1).execute()
+
+        while len(rows) < total:
+            page_rows = self._call(fn, functools.partial(page, len(rows), self.max_rows), idempotent=True).data or []
+            if not page_rows:  # fewer rows now than when it was counted
+                break
+            rows += [dict(r) for r in page_rows]
+        return rows
+
+    def _rows(self, what: str, build: Callable[[Any], Any], *, limit: int | None = None) -> list[dict[str, Any]]:
+        """The rows of a table or view read (``build`` makes the request, in a total order: pages are
+        read by offset), at most ``limit`` of them, ``max_rows`` a page, until a shorter page."""
+        if limit is not None and limit < 0:
+            raise InvalidInput(f"LIMIT must not be negative, not {limit}")
+        def page(start: int, size: int) -> Any:
+            return build(self.client).range(start, start + size - 1).execute()
+
+        rows: list[Any] = []
+        while limit is None or len(rows) < limit:
+            size = self.max_rows if limit is None else min(self.max_rows, limit - len(rows))
+            page_rows = self._call(what, functools.partial(page, len(rows), size), idempotent=True).data or []
+            rows += page_rows
+            if len(page_rows) < size:
+                break
+        return [_times(dict(r)) for r in rows]
 
     # -- the SQL API
 
@@ -264,7 +329,7 @@ class SupabaseStore(NamedReads):
         """Queue many tasks in one transaction (see :meth:`worker.store.postgres.PostgresStore.enqueue_many`)."""
         if not tasks:
             return []
-        rows = self._rpc("enqueue_many", {"p_lane": lane, "p_tasks": bulk_tasks(tasks)})
+        rows = self._rpc("enqueue_many_json", {"p_lane": lane, "p_tasks": bulk_tasks(tasks)})  # one value: never cut
         return [(int(r["id"]), bool(r["created"])) for r in sorted(rows or [], key=lambda r: int(r["idx"]))]
 
     def open_session(self, lane: str, host: str, pid: int, pid_started_at: datetime | None,
@@ -275,22 +340,24 @@ class SupabaseStore(NamedReads):
             "p_seconds": seconds})))
 
     def claim(self, session: UUID, limit: int = 1) -> list[Task]:
-        rows = self._rpc("claim", {"p_session": str(session), "p_limit": limit}, idempotent=False)
-        return [Task.model_validate(r) for r in rows or []]
+        # at most max_rows: more would be cut by db-max-rows, claimed and never told (a claim answers "up to")
+        rows = self._rpc_rows("claim", {"p_session": str(session), "p_limit": min(limit, self.max_rows)},
+                              idempotent=False)
+        return [Task.model_validate(r) for r in rows]
 
     def heartbeat(self, session: UUID, tasks: list[int] | None = None, progressed: list[int] | None = None,
                   attention: dict[int, str] | None = None) -> Heartbeat:
         """Renew the session's lease (see :meth:`worker.store.postgres.PostgresStore.heartbeat`)."""
-        rows = self._rpc("heartbeat", {"p_session": str(session), "p_tasks": tasks, "p_progressed": progressed,
-                                       "p_attention": ({str(k): v for k, v in attention.items()}
-                                                       if attention is not None else None)})
-        return Heartbeat.of_rows(rows or [])
+        rows = self._rpc_rows("heartbeat", {"p_session": str(session), "p_tasks": tasks, "p_progressed": progressed,
+                                            "p_attention": ({str(k): v for k, v in attention.items()}
+                                                            if attention is not None else None)})
+        return Heartbeat.of_rows(rows)
 
     def stalled_tasks(self) -> list[dict[str, Any]]:
-        return [dict(r) for r in self._rpc("stalled_tasks", {}) or []]
+        return self._rpc_rows("stalled_tasks", {})
 
     def task_spend(self, task: int) -> tuple[float, int]:
-        row = self._rpc("task_spend", {"p_task": task})[0]
+        row = self._rpc_rows("task_spend", {"p_task": task})[0]
         return float(row["cost_usd"]), int(row["tokens"])
 
     def set_task_budget(self, task: int, max_cost_usd: float | None = None, max_tokens: int | None = None) -> str:
@@ -305,7 +372,7 @@ class SupabaseStore(NamedReads):
 
     def lease_held(self, task: int, token: UUID) -> LeaseAnswer:
         """See :meth:`worker.store.postgres.PostgresStore.lease_held`."""
-        return LeaseAnswer.of_row(self._rpc("lease_held", {"p_task": task, "p_token": str(token)})[0])
+        return LeaseAnswer.of_row(self._rpc_rows("lease_held", {"p_task": task, "p_token": str(token)})[0])
 
     def checkpoint(self, task: int, token: UUID, data: Any) -> int:
         return int(self._rpc("checkpoint", {"p_task": task, "p_token": str(token), "p_data": data}))
@@ -319,7 +386,7 @@ class SupabaseStore(NamedReads):
         if not items:
             return {}
         results = [i[2] if len(i) > 2 else None for i in items]
-        rows = self._rpc("complete_many", {
+        rows = self._rpc("complete_many_json", {  # one value: never cut
             "p_tasks": [i[0] for i in items], "p_tokens": [str(i[1]) for i in items],
             "p_results": results if any(r is not None for r in results) else None}, idempotent=False)
         return {int(r["task_id"]): str(r["status"]) for r in rows or []}
@@ -371,8 +438,9 @@ class SupabaseStore(NamedReads):
         PostgREST RPC: its rows or its one value, as the Postgres store answers."""
         if fn not in SOURCE_FUNCTIONS:
             raise ValueError(f"not a source function: {fn}")
-        data = self._rpc(fn, params, idempotent=idempotent)
-        return [dict(r) for r in data or []] if fn in SOURCE_ROWS else data
+        if fn in SOURCE_ROWS:
+            return self._rpc_rows(fn, params, idempotent=idempotent)
+        return self._rpc(fn, params, idempotent=idempotent)
 
     def sync_pool(self, name: str, slots: int | None, windows: dict[str, Any] | None = None,
                   reserve: float | None = None) -> str:
@@ -424,13 +492,13 @@ class SupabaseStore(NamedReads):
         return str(self._rpc("unretire_lane", {"p_lane": name}))
 
     def reconcile(self, idle_seconds: int = 300, overdue_grace_seconds: int = 60) -> list[RepairAction]:
-        rows = self._rpc("reconcile", {"p_idle_seconds": idle_seconds,
-                                       "p_overdue_grace_seconds": overdue_grace_seconds})
+        rows = self._rpc("reconcile_json", {"p_idle_seconds": idle_seconds,  # one value: never cut
+                                            "p_overdue_grace_seconds": overdue_grace_seconds})
         return [RepairAction.model_validate(r) for r in rows or []]
 
     def declare_session_lost(self, session: UUID, reason: str) -> list[RepairAction]:
-        rows = self._rpc("declare_session_lost", {"p_session": str(session), "p_reason": reason})
-        return [RepairAction.model_validate(r) for r in rows or []]
+        rows = self._rpc_rows("declare_session_lost", {"p_session": str(session), "p_reason": reason})
+        return [RepairAction.model_validate(r) for r in rows]
 
     # -- workspaces (see :class:`worker.store.postgres.PostgresStore`)
 
@@ -443,8 +511,8 @@ class SupabaseStore(NamedReads):
         return None if path is None else str(path)
 
     def workspaces_to_reap(self, host: str, limit: int = 100) -> list[dict[str, Any]]:
-        rows = self._rpc("workspaces_to_reap", {"p_host": host, "p_limit": limit})
-        return [_times(dict(r)) for r in rows or []]
+        rows = self._rpc_rows("workspaces_to_reap", {"p_host": host, "p_limit": limit})
+        return [_times(r) for r in rows]
 
     def workspace_reaped(self, workspace: int, bytes_freed: int | None = None) -> bool:
         return bool(self._rpc("workspace_reaped", {"p_id": workspace, "p_bytes_freed": bytes_freed}))
@@ -494,8 +562,8 @@ class SupabaseStore(NamedReads):
                     q = q.eq("lane", params["lane"])
                 if params.get("state") is not None:
                     q = q.eq("state", params["state"])
-                return q.order("id", desc=True).limit(int(params["limit"]))
-            return self._rows(name, build)
+                return q.order("id", desc=True)
+            return self._rows(name, build, limit=int(params["limit"]))
         if name == "task_events":
             return self._rows(name, lambda c: c.table("journal").select("*").eq("task_id", int(params["id"]))
                               .order("id"))
@@ -504,7 +572,7 @@ class SupabaseStore(NamedReads):
                               .order("id"))
         if name == "last_lane_handoff":
             return self._rows(name, lambda c: c.table("lane_handoffs").select("*").eq("lane", params["lane"])
-                              .order("id", desc=True).limit(1))
+                              .order("id", desc=True), limit=1)
         if name == "list_lanes":
             return self._rows(name, lambda c: c.table("lanes").select("*").order("name"))
         if name == "list_pools":
@@ -512,12 +580,13 @@ class SupabaseStore(NamedReads):
                 "name,slots,throttled_until,throttle_note,throttled_by").order("name"))
         if name == "active_sessions_on_host":
             return self._rows(name, lambda c: c.table("sessions").select("id,lane,pid,pid_started_at")
-                              .eq("state", "active").eq("host", params["host"]))
+                              .eq("state", "active").eq("host", params["host"]).order("id"))
         if name in ("ready_by_lane", "lane_summary"):
-            return [_times(dict(r)) for r in self._rpc(name, {}) or []]
+            return [_times(r) for r in self._rpc_rows(name, {})]
         if name == "summary_with_prefix":
-            return [_times(dict(r)) for r in self._rpc("lane_summary", {"p_key_prefix": params["prefix"]}) or []]
+            return [_times(r) for r in self._rpc_rows("lane_summary", {"p_key_prefix": params["prefix"]})]
         if name == "states_with_prefix":
-            found = self._rows(name, lambda c: c.table("tasks").select("state").like("key", str(params["prefix"]) + "*"))
+            found = self._rows(name, lambda c: c.table("tasks").select("state")
+                               .like("key", str(params["prefix"]) + "*").order("id"))
             return [{"state": st, "n": n} for st, n in sorted(Counter(r["state"] for r in found).items())]
         raise FleetError(f"the named query {name!r} has no REST equivalent in the supabase store")
