@@ -441,6 +441,26 @@ def test_a_shift_that_stops_under_the_gate_hands_off_and_the_next_attempt_runs_t
     assert calls.read_text().split() == ["t", "t"]
 
 
+def test_a_task_resumed_for_its_gate_then_rejected_in_review_runs_its_agent_again(
+        dispatch_fleet, tmp_path: Path) -> None:
+    """The gate-only attempt of a resumed task passes into review; the reviewer's rejection is
+    work for the agent (it was another gate-only attempt: verify_pending outlived the completion)."""
+    fleet = dispatch_fleet({"work": gated(tmp_path, review=True)}, two_pools())
+    flag = tmp_path / "gpu-is-back"
+    task = fleet.enqueue("work", "t", {**QUICK, "gate": "flag", "flag": str(flag)})
+    fleet.run_shift("work", max_tasks=1)
+    assert fleet.task(task)["state"] == "blocked"
+    flag.write_text("yes")
+    fleet.monitor_store.resume(task)
+    fleet.run_shift("work", max_tasks=1)  # the gate alone: ok, so into review
+    assert (fleet.task(task)["state"], fleet.task(task)["verify_pending"]) == ("review", False)
+    fleet.monitor_store.review_reject(task, "keep the public API")
+    fleet.run_shift("work", max_tasks=1)
+    third = fleet.runs(task)[2]
+    assert Path(third["log_path"]).exists(), "the rejected work went to its gate alone, not to its agent"
+    assert "keep the public API" in (fleet.workspace("work", "t") / ".fleet" / "prompt.md").read_text()
+
+
 def test_a_slow_gate_times_out_as_automation_broken(dispatch_fleet, tmp_path: Path) -> None:
     script = tmp_path / "slow.py"
     script.write_text("import time\ntime.sleep(60)\n")
