@@ -74,12 +74,13 @@ def test_junk_in_a_failure_and_a_checkpoint_is_stored_replaced_and_the_shift_goe
 def test_junk_in_a_running_agents_log_and_attention_reaches_the_hand_off_and_the_session_closes(junk_fleet) -> None:
     f = junk_fleet
     task_id = f.enqueue("work", "hang", {"junk": "hang"})
-    shift = f.shift("work", max_seconds=6)
+    shift = f.shift("work", max_seconds=60)
     out: dict[str, Any] = {}
     thread = threading.Thread(target=lambda: out.update(summary=shift.run()), daemon=True)
     thread.start()
     wait_for("the agent's attention to be stored",
              lambda: f.task(task_id).get("attention") == "allow rm \ufffd -rf?", timeout=20)
+    shift.request_stop("SIGTERM")
     thread.join(30)
     assert not thread.is_alive()
     summary = out["summary"]
