@@ -32,8 +32,8 @@ def storable(value: Any) -> Any:
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
         return {(_text(k) if isinstance(k, str) else k): storable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(storable(v) for v in value) if type(value) in (list, tuple) else value
+    if type(value) in (list, tuple):  # (a named tuple is left as it is)
+        return type(value)(storable(v) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         changes = {f.name: storable(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
         return dataclasses.replace(value, **changes)
