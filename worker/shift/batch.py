@@ -28,7 +28,9 @@ again in the member's worktree, whose commits are kept.
 
 :meth:`BatchRunner.step` makes at most one move per call and never waits on a process: the shift
 calls it from its loop, so it keeps heartbeating the carrier while members run. Git operations
-are made in the call (they are local to the host's mirror, plus one push per landing).
+are made in the call (they are local to the host's mirror, plus one push per landing), each under
+the shift's :meth:`~worker.shift.shift.Shift.keepalive`: a wait on the mirror (another shift's
+fetch) can outlast a lease, and the main loop, parked in git, heartbeats nothing meanwhile.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ from worker.store.protocol import Store
 from worker.workspace.folder import Workspace, batch_workspace, prepare, safe_name
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     from worker.workspace.git import Mirror
 
 INCONCLUSIVE = ("automation-broken", "capability-unavailable")
@@ -101,6 +105,7 @@ class BatchShift(Protocol):
     def agent_process(self, argv: list[str], *, cwd: Path, env: dict[str, str], log_path: Path,
                       dispatch: Dispatch, stdin: Path | None = None, label: str = "the agent") -> AgentProcess: ...
     def count(self, outcome: str) -> None: ...
+    def keepalive(self) -> AbstractContextManager[None]: ...
 
 
 @dataclass
@@ -220,7 +225,8 @@ class BatchRunner:
             return
         branch = integration_branch(self.batch_id)
         try:
-            head = ensure_integration_branch(self.shift.mirror(), branch, self.lane.base)
+            with self.shift.keepalive():
+                head = ensure_integration_branch(self.shift.mirror(), branch, self.lane.base)
         except FleetError as exc:
             self._block("automation-broken", f"could not set up the integration branch {branch}: {exc}")
             return
@@ -253,7 +259,8 @@ class BatchRunner:
         ws = self._ws(m)
         branch = member_branch(self.batch_id, m["n"], m["key"])
         try:
-            head = cut_member_branch(self.shift.mirror(), ws.root, branch, self.batch["integration_branch"])
+            with self.shift.keepalive():
+                head = cut_member_branch(self.shift.mirror(), ws.root, branch, self.batch["integration_branch"])
         except FleetError as exc:
             from worker.workspace.git import BranchDiverged
 
@@ -423,7 +430,8 @@ class BatchRunner:
         assert m is not None
         branch = m.get("branch") or member_branch(self.batch_id, m["n"], m["key"])
         try:
-            res = land_ff_only(self.shift.mirror(), branch, self.batch["integration_branch"], cut=m.get("cut_sha"))
+            with self.shift.keepalive():
+                res = land_ff_only(self.shift.mirror(), branch, self.batch["integration_branch"], cut=m.get("cut_sha"))
         except LandingFailed as exc:
             self._block("landing-failed", f"{exc.message}" + (f" ({exc.hint})" if exc.hint else ""), m["n"])
             return
@@ -441,7 +449,8 @@ class BatchRunner:
         from worker.workspace.git import remove_worktree
 
         try:
-            remove_worktree(self.shift.mirror(), self._ws(m).root)
+            with self.shift.keepalive():
+                remove_worktree(self.shift.mirror(), self._ws(m).root)
             self._call("batch_member_torn_down", p_n=m["n"])
         except FleetError as exc:  # a worktree left behind is the reaper's; never fatal
             if isinstance(exc, LeaseLost):
@@ -454,7 +463,8 @@ class BatchRunner:
         from worker.workspace.git import ensure_task_worktree
 
         ws = batch_workspace(self.shift.workspaces, self.shift.lane_name, f"batch-{self.batch_id}")
-        ensure_task_worktree(self.shift.mirror(), ws.root, self.batch["integration_branch"], self.lane.base)
+        with self.shift.keepalive():
+            ensure_task_worktree(self.shift.mirror(), ws.root, self.batch["integration_branch"], self.lane.base)
         return ws
 
     def _landed_keys(self) -> list[str]:
@@ -542,7 +552,8 @@ class BatchRunner:
         self.shift.count("done")
         ws = batch_workspace(self.shift.workspaces, self.shift.lane_name, f"batch-{self.batch_id}")
         try:
-            remove_worktree(self.shift.mirror(), ws.root)
+            with self.shift.keepalive():
+                remove_worktree(self.shift.mirror(), ws.root)
         except FleetError as exc:
             self.log.warning("could not remove the integration branch's worktree", error=str(exc))
         self.done = True
@@ -568,10 +579,11 @@ class BatchRunner:
         if m is not None and m.get("branch"):
             try:
                 ws = self._ws(m)
-                if (ws.root / ".git").exists():
-                    commit_all(self.shift.mirror(), ws.root,
-                               f"lanefleet: work in progress of {m['key']} at hand-off (batch {self.batch_id})")
-                push(self.shift.mirror(), m["branch"])
+                with self.shift.keepalive():
+                    if (ws.root / ".git").exists():
+                        commit_all(self.shift.mirror(), ws.root,
+                                   f"lanefleet: work in progress of {m['key']} at hand-off (batch {self.batch_id})")
+                    push(self.shift.mirror(), m["branch"])
             except FleetError as exc:
                 self.log.warning("could not push the member's branch", error=str(exc))
         snap = {"reason": why, "batch": self.batch_id, "n": m["n"] if m else None, "state": self.state,

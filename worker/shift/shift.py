@@ -620,7 +620,7 @@ class Shift:
         (commits kept) by later attempts on this host, recreated from the pushed branch on another."""
         from worker.workspace.git import ensure_task_worktree
 
-        with self._keepalive():
+        with self.keepalive():
             return str(ensure_task_worktree(self.mirror(), ws.root, self._branch(task), self.lane.base))
 
     def _git_push(self, job: Job, *, commit_wip: bool) -> None:
@@ -632,7 +632,7 @@ class Shift:
 
         self.held.add(job.task.id)  # its agent has ended: its final call comes after the push
         try:
-            with self._keepalive():
+            with self.keepalive():
                 if commit_wip:
                     commit_all(self.mirror(), job.ws.root,
                                f"lanefleet: work in progress of {job.task.key} at hand-off (attempt {job.task.attempts})")
@@ -644,7 +644,7 @@ class Shift:
             self.held.discard(job.task.id)
 
     @contextmanager
-    def _keepalive(self) -> Iterator[None]:
+    def keepalive(self) -> Iterator[None]:
         """Heartbeat from a thread while the main loop waits on git (a fetch of a large repository,
         another shift's hold on this host's mirror: minutes, past a lease), so that the other
         agents' leases, the session's and the tasks it holds (:attr:`held`) are renewed meanwhile.
