@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from fleetkit import Backend
+from fleetkit import Backend, wait_for
 from supabase_stack import client, key, snapshot, sql
 
 from worker.config import LaneConfig
@@ -314,6 +314,10 @@ def test_answers_past_the_apis_max_rows_are_whole_on_both_back_ends(backend: Bac
             while len(again) < 1100:
                 again += worker.claim(other, 1100 - len(again))
             expire(conn, *left, *(t.id for t in again))
+            # a lease counts as expired only once the server has been up that long (the stack's
+            # server may have been restarted by the test before: then this pass repaired nothing)
+            wait_for("the server to be up a lease", lambda: conn.execute(
+                "select pg_postmaster_start_time() < now() - interval '3 s'").fetchone()[0])  # type: ignore[index]
         actions = operator.reconcile()
         repaired = sorted(a.task_id for a in actions if a.task_id is not None)
         assert repaired == sorted([*left, *(t.id for t in again)]), (len(repaired), len(left) + len(again))
