@@ -19,7 +19,7 @@ import structlog
 from worker.config import FleetConfig
 from worker.errors import FleetError, SessionLost
 from worker.models import RepairAction
-from worker.proc import process_start_time
+from worker.proc import process_identity, process_start_time
 from worker.store.postgres import PostgresStore
 from worker.workspace.disk import (
     UnsafePath,
@@ -37,20 +37,29 @@ def host_checks(store: PostgresStore, host: str | None = None) -> list[RepairAct
     host = host or socket.gethostname()
     actions: list[RepairAction] = []
     for row in store.query("active_sessions_on_host", host=host):
-        started = process_start_time(int(row["pid"]))
-        if started is None:
-            reason = "pid-gone"
-        elif row["pid_started_at"] is not None and abs(
-            (started - row["pid_started_at"]).total_seconds()
-        ) > 1.0:
-            reason = "pid-reused"
-        else:
+        reason = _pid_check(row)
+        if reason is None:
             continue
         try:
             actions += store.declare_session_lost(UUID(str(row["id"])), reason)
         except SessionLost:
             continue  # ended or repaired meanwhile
     return actions
+
+
+def _pid_check(row: dict[str, Any]) -> str | None:
+    """Why the session's process is not the one that opened it (``pid-gone``, ``pid-reused``), or
+    None. By its identity (boot id and start ticks: a clock step changes neither) where the
+    session has one; else, for sessions opened before it was recorded, by its start time."""
+    pid = int(row["pid"])
+    if row.get("pid_identity") is not None and (now := process_identity(pid)) is not None:
+        return None if now == row["pid_identity"] else "pid-reused"
+    started = process_start_time(pid)
+    if started is None:
+        return "pid-gone"
+    if row["pid_started_at"] is not None and abs((started - row["pid_started_at"]).total_seconds()) > 1.0:
+        return "pid-reused"
+    return None
 
 
 def _workspace_action(action: str, row: dict[str, Any], **detail: Any) -> RepairAction:

@@ -31,7 +31,7 @@ from sqlkit import expire
 
 from monitor.reconcile import host_checks, monitor_pass
 from worker.config import FleetConfig, cron_trigger, load_config
-from worker.proc import process_start_time
+from worker.proc import process_identity, process_start_time
 from worker.store.postgres import PostgresStore
 from worker.store.sync import sync_config
 
@@ -209,6 +209,7 @@ def test_a_killed_shift_is_repaired_within_one_pass_on_its_host(make_fleet, reap
     wait_for("both tasks running", lambda: fleet.states(ids) == ["running", "running"])
     (sess,) = fleet.sql("select * from fleet.sessions")
     assert sess["pid"] == proc.pid and sess["host"] == socket.gethostname()
+    assert sess["pid_identity"] == process_identity(proc.pid) is not None
     agents = wait_for("the agents", lambda: pids_under(fleet.tmp / "ws") if len(pids_under(fleet.tmp / "ws")) >= 2 else set())
 
     os.kill(proc.pid, signal.SIGKILL)
@@ -282,6 +283,10 @@ def test_pid_checks_of_this_host(make_fleet):
     assert process_start_time(gone.pid) is None
     (tid,) = fleet.enqueue("docs", 1, {})
 
+    me_now = process_identity(me)
+    assert me_now is not None
+    boot, ticks = me_now.rsplit(":", 1)
+
     reused = fleet.worker.open_session("docs", host, me, started - timedelta(hours=1), 600)
     held = fleet.worker.claim(reused, 1)
     assert [t.id for t in held] == [tid]
@@ -289,15 +294,24 @@ def test_pid_checks_of_this_host(make_fleet):
     no_start = fleet.worker.open_session("docs", host, me, None, 600)
     gone_here = fleet.worker.open_session("docs", host, gone.pid, None, 600)
     gone_elsewhere = fleet.worker.open_session("docs", "another-host", gone.pid, None, 600)
+    # with an identity (boot id, start ticks): the start time as the host's clock, stepped an hour
+    # since, says it: the same process; another start or another boot with the same pid is not
+    stepped = fleet.worker.open_session("docs", host, me, started - timedelta(hours=1), 600, me_now)
+    started_later = fleet.worker.open_session("docs", host, me, started, 600, f"{boot}:{int(ticks) + 1}")
+    before_a_reboot = fleet.worker.open_session("docs", host, me, started, 600, f"another-boot:{ticks}")
+    gone_with_identity = fleet.worker.open_session("docs", host, gone.pid, None, 600, f"{boot}:{ticks}")
 
     actions = host_checks(store)
 
     lost = {a.session_id: a.detail["reason"] for a in actions if a.action == "session_lost"}
-    assert lost == {reused: "pid-reused", gone_here: "pid-gone"}
+    assert lost == {reused: "pid-reused", gone_here: "pid-gone", started_later: "pid-reused",
+                    before_a_reboot: "pid-reused", gone_with_identity: "pid-gone"}
     assert [(a.action, a.task_id) for a in actions if a.action != "session_lost"] == [("released", tid)]
     state = {r["id"]: (r["state"], r["end_reason"]) for r in fleet.sql("select * from fleet.sessions")}
     assert state == {reused: ("lost", "pid-reused"), gone_here: ("lost", "pid-gone"),
-                     same: ("active", None), no_start: ("active", None), gone_elsewhere: ("active", None)}
+                     same: ("active", None), no_start: ("active", None), gone_elsewhere: ("active", None),
+                     stepped: ("active", None), started_later: ("lost", "pid-reused"),
+                     before_a_reboot: ("lost", "pid-reused"), gone_with_identity: ("lost", "pid-gone")}
     (t,) = fleet.tasks([tid])
     assert (t["state"], t["evaporations"]) == ("queued", 1)
     assert host_checks(store) == []

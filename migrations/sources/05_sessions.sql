@@ -4,7 +4,8 @@
 -- migration made from it: `uv run python -m worker.dev.sqlsources new <name>` (see README).
 
 create or replace function fleet.open_session(p_lane text, p_host text, p_pid int,
-                                              p_pid_started_at timestamptz, p_seconds int)
+                                              p_pid_started_at timestamptz, p_seconds int,
+                                              p_pid_identity text default null)
 returns uuid
 language plpgsql
 security definer
@@ -24,16 +25,19 @@ begin
     if p_seconds is null or p_seconds <= 0 then
         perform fleet._raise('LF005', format('a session needs a positive length in seconds, not %s', p_seconds));
     end if;
-    insert into fleet.sessions (lane, host, pid, pid_started_at, deadline)
-    values (p_lane, p_host, p_pid, p_pid_started_at, now() + make_interval(secs => p_seconds))
+    if length(p_pid_identity) not between 1 and 200 then
+        perform fleet._raise('LF005', format('a process identity is 1 to 200 characters, not %s', length(p_pid_identity)));
+    end if;
+    insert into fleet.sessions (lane, host, pid, pid_started_at, pid_identity, deadline)
+    values (p_lane, p_host, p_pid, p_pid_started_at, p_pid_identity, now() + make_interval(secs => p_seconds))
     returning id into v_id;
     perform fleet._event('session_opened', p_lane, null, v_id,
         jsonb_build_object('host', p_host, 'pid', p_pid, 'seconds', p_seconds));
     return v_id;
 end
 $$;
-revoke all on function fleet.open_session(text,text,integer,timestamp with time zone,integer) from public;
-grant execute on function fleet.open_session(text,text,integer,timestamp with time zone,integer) to fleet_worker, service_role;
+revoke all on function fleet.open_session(text,text,integer,timestamp with time zone,integer,text) from public;
+grant execute on function fleet.open_session(text,text,integer,timestamp with time zone,integer,text) to fleet_worker, service_role;
 
 create or replace function fleet.close_session(p_session uuid, p_reason text, p_snapshot jsonb)
 returns bigint

@@ -52,8 +52,11 @@ def test_open_session(conn, lane):
     assert s["id"] == sid
     assert s["lane"] == "a" and s["host"] == "box" and s["pid"] == 77
     assert s["state"] == "active" and s["ended_at"] is None
-    assert s["pid_started_at"] is not None
+    assert s["pid_started_at"] is not None and s["pid_identity"] is None
     assert float(s["len"]) == 300
+    other = one(conn, "select fleet.open_session('a', 'box', 77, now(), 300, %s)", ("boot-id:12345",))
+    assert rows(conn, "select pid_identity from fleet.sessions where id = %s", (other,)) == [
+        {"pid_identity": "boot-id:12345"}]
     ev = rows(conn, "select * from fleet.journal where session_id = %s", (sid,))
     assert [e["kind"] for e in ev] == ["session_opened"]
     assert ev[0]["detail"] == {"host": "box", "pid": 77, "seconds": 300}
@@ -62,21 +65,23 @@ def test_open_session(conn, lane):
 @pytest.mark.parametrize(
     ("code", "args"),
     [
-        (UNKNOWN_LANE, ("nope", "h", 1, 60)),
-        (UNKNOWN_LANE, (None, "h", 1, 60)),
-        (INVALID_ARGUMENT, ("a", "", 1, 60)),
-        (INVALID_ARGUMENT, ("a", None, 1, 60)),
-        (INVALID_ARGUMENT, ("a", "h", 0, 60)),
-        (INVALID_ARGUMENT, ("a", "h", -5, 60)),
-        (INVALID_ARGUMENT, ("a", "h", None, 60)),
-        (INVALID_ARGUMENT, ("a", "h", 1, 0)),
-        (INVALID_ARGUMENT, ("a", "h", 1, -60)),
-        (INVALID_ARGUMENT, ("a", "h", 1, None)),
+        (UNKNOWN_LANE, ("nope", "h", 1, 60, None)),
+        (UNKNOWN_LANE, (None, "h", 1, 60, None)),
+        (INVALID_ARGUMENT, ("a", "", 1, 60, None)),
+        (INVALID_ARGUMENT, ("a", None, 1, 60, None)),
+        (INVALID_ARGUMENT, ("a", "h", 0, 60, None)),
+        (INVALID_ARGUMENT, ("a", "h", -5, 60, None)),
+        (INVALID_ARGUMENT, ("a", "h", None, 60, None)),
+        (INVALID_ARGUMENT, ("a", "h", 1, 0, None)),
+        (INVALID_ARGUMENT, ("a", "h", 1, -60, None)),
+        (INVALID_ARGUMENT, ("a", "h", 1, None, None)),
+        (INVALID_ARGUMENT, ("a", "h", 1, 60, "")),
+        (INVALID_ARGUMENT, ("a", "h", 1, 60, "b" * 201)),
     ],
 )
 def test_open_session_refusals_write_nothing(conn, lane, code, args):
     with refused(code):
-        conn.execute("select fleet.open_session(%s, %s, %s, now(), %s)", args)
+        conn.execute("select fleet.open_session(%s, %s, %s, now(), %s, %s)", args)
     assert count(conn, "sessions") == 0
     assert count(conn, "events") == 0
 

@@ -156,7 +156,7 @@ def test_docs_key_cannot_see_bugfix_rows(world: World) -> None:
         assert st.lane_names() == ["docs"]
         assert {t.lane for t in st.list_tasks()} == {"docs"}
         assert st.query("active_sessions_on_host", host="host-a") == [
-            {"id": world.docs_session, "lane": "docs", "pid": 4242, "pid_started_at": None}]
+            {"id": world.docs_session, "lane": "docs", "pid": 4242, "pid_started_at": None, "pid_identity": None}]
     finally:
         st.close()
     # nor the dashboards (views read as their owner, past RLS: a worker key gets none of them)

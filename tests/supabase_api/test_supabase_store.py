@@ -167,12 +167,12 @@ def test_named_queries_over_rest(rest: SupabaseStore, operator: SupabaseStore, l
     import socket
 
     started = datetime.now().astimezone()
-    session = rest.open_session("docs", socket.gethostname(), 4242, started, 600)
+    session = rest.open_session("docs", socket.gethostname(), 4242, started, 600, "boot-id:1234")
     rest.enqueue("docs", "demo:ab:1")
     rest.enqueue("docs", "demo:ab:2", delay_seconds=600)
     rest.enqueue("review", "demo:zz:1")
     (row,) = rest.query("active_sessions_on_host", host=socket.gethostname())
-    assert row["id"] == str(session) and row["pid"] == 4242
+    assert row["id"] == str(session) and row["pid"] == 4242 and row["pid_identity"] == "boot-id:1234"
     assert isinstance(row["pid_started_at"], datetime)
     assert abs((row["pid_started_at"] - started).total_seconds()) < 0.001
     assert rest.query("active_sessions_on_host", host="elsewhere") == []

@@ -62,7 +62,7 @@ from worker.config import FleetConfig, LaneConfig
 from worker.errors import ConfigError, DatabaseUnavailable, FleetError, LeaseLost, SessionLost
 from worker.models import LaneHandoff, Task
 from worker.preflight import lane_problems, reason
-from worker.proc import process_start_time
+from worker.proc import process_identity, process_start_time
 from worker.shift.batch import BatchRunner
 from worker.shift.dispatch import (
     Dispatch,
@@ -242,7 +242,7 @@ class Shift:
         self.preflight()  # before anything is written: a shift whose agents cannot run as asked refuses
         pid = os.getpid()
         session = self.store.open_session(self.lane_name, self.host, pid, process_start_time(pid),
-                                          max(1, math.ceil(self.max_seconds)))
+                                          max(1, math.ceil(self.max_seconds)), process_identity(pid))
         self.summary.session = session
         self.session = session
         self.log = self.log.bind(session=str(session))

@@ -254,9 +254,9 @@ class PostgresStore(NamedReads):
         return [(int(r["id"]), bool(r["created"])) for r in sorted(rows, key=lambda r: int(r["idx"]))]
 
     def open_session(self, lane: str, host: str, pid: int, pid_started_at: datetime | None,
-                     seconds: int) -> UUID:
-        return UUID(str(self._one("select fleet.open_session(%s, %s, %s, %s, %s)",
-                                  (lane, host, pid, pid_started_at, seconds))))
+                     seconds: int, pid_identity: str | None = None) -> UUID:
+        return UUID(str(self._one("select fleet.open_session(%s, %s, %s, %s, %s, %s)",
+                                  (lane, host, pid, pid_started_at, seconds, pid_identity))))
 
     def claim(self, session: UUID, limit: int = 1) -> list[Task]:
         rows = self._run("select * from fleet.claim(%s, %s)", (session, limit), idempotent=False)

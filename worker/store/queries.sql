@@ -43,7 +43,7 @@ select lane, state, count(*) as n from fleet.tasks group by lane, state order by
 
 -- name: active_sessions_on_host
 -- Active sessions of one host, for the monitor's pid checks.
-select id, lane, pid, pid_started_at from fleet.sessions where state = 'active' and host = %(host)s;
+select id, lane, pid, pid_started_at, pid_identity from fleet.sessions where state = 'active' and host = %(host)s;
 
 -- name: lane_summary
 -- Per lane: tasks in every state, retries, hand-offs, and the tokens and cost of every run

@@ -333,11 +333,11 @@ class SupabaseStore(NamedReads):
         return [(int(r["id"]), bool(r["created"])) for r in sorted(rows or [], key=lambda r: int(r["idx"]))]
 
     def open_session(self, lane: str, host: str, pid: int, pid_started_at: datetime | None,
-                     seconds: int) -> UUID:
+                     seconds: int, pid_identity: str | None = None) -> UUID:
         return UUID(str(self._rpc("open_session", {
             "p_lane": lane, "p_host": host, "p_pid": pid,
             "p_pid_started_at": pid_started_at.isoformat() if pid_started_at else None,
-            "p_seconds": seconds})))
+            "p_seconds": seconds, "p_pid_identity": pid_identity})))
 
     def claim(self, session: UUID, limit: int = 1) -> list[Task]:
         # at most max_rows: more would be cut by db-max-rows, claimed and never told (a claim answers "up to")
@@ -579,7 +579,7 @@ class SupabaseStore(NamedReads):
             return self._rows(name, lambda c: c.table("pools").select(
                 "name,slots,throttled_until,throttle_note,throttled_by").order("name"))
         if name == "active_sessions_on_host":
-            return self._rows(name, lambda c: c.table("sessions").select("id,lane,pid,pid_started_at")
+            return self._rows(name, lambda c: c.table("sessions").select("id,lane,pid,pid_started_at,pid_identity")
                               .eq("state", "active").eq("host", params["host"]).order("id"))
         if name in ("ready_by_lane", "lane_summary"):
             return [_times(r) for r in self._rpc_rows(name, {})]
