@@ -3,7 +3,11 @@ its branches. (worker/workspace/git.py is what is tested; this only sets the sce
 
 from __future__ import annotations
 
+import fcntl
+import os
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from worker.workspace import git as gitws
@@ -33,3 +37,16 @@ def bare_origin(tmp_path: Path) -> Path:
 def log_of(origin: Path, branch: str) -> list[str]:
     """The subjects of a branch of a bare repository, newest first."""
     return git("--git-dir", str(origin), "log", "--format=%s", branch).splitlines()
+
+
+@contextmanager
+def mirror_held(mirror: gitws.Mirror) -> Iterator[None]:
+    """Hold the host lock of ``mirror`` as another process fetching it would, until the block ends."""
+    mirror.lock_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(mirror.lock_path, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)

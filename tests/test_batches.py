@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from fleetkit import Backend, Fleet, alive, lane_defaults, wait_for
-from gitkit import bare_origin, git, log_of
+from gitkit import bare_origin, git, log_of, mirror_held
 
 pytestmark = pytest.mark.parametrize("backend", ["postgres", "supabase"], indirect=True)
 
@@ -416,27 +416,18 @@ def test_a_long_wait_on_the_mirror_keeps_the_carriers_lease(batch_fleet) -> None
     """Another shift on the host holds the mirror (a long fetch) for two leases while the batch
     sets up its integration branch: the shift heartbeats from a thread meanwhile, so the monitor
     finds the carrier's lease alive and the batch finishes in its first claim."""
-    import fcntl
-
     f = batch_fleet()  # lease_seconds 3: a heartbeat every second
     f.enqueue("code", "m1", member_payload("m1"))
     batch = create(f, ["m1"])
     carrier = batch_row(f, batch)["task_id"]
     shift = f.shift("code", max_tasks=1, max_seconds=60)
-    lock = shift.mirror().lock_path
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
     thread = threading.Thread(target=shift.run, daemon=True)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # as another process fetching the mirror would
+    with mirror_held(shift.mirror()):
         thread.start()
         wait_for("the carrier to be claimed", lambda: f.task(carrier)["state"] == "running", timeout=30)
         time.sleep(7)  # two leases and more, the main loop waiting on the lock in the batch's set-up
         repaired = [a for a in f.monitor_store.reconcile() if a.task_id == carrier]
         assert repaired == [] and f.task(carrier)["state"] == "running"
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
     thread.join(60)
     assert not thread.is_alive()
     t = f.task(carrier)

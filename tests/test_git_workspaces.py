@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from fleetkit import Backend, Fleet, lane_defaults
-from gitkit import bare_origin, git, log_of
+from gitkit import bare_origin, git, log_of, mirror_held
 
 from monitor.reconcile import reap_workspaces
 from worker.workspace import git as gitws
@@ -130,8 +130,6 @@ def test_a_long_wait_on_the_mirror_keeps_every_lease_the_shift_holds(git_fleet) 
     """Another shift on the host holds the mirror (a long fetch) for two leases while this shift
     prepares a task's worktree: a thread heartbeats meanwhile, so the running agent is not fenced
     and the claimed task is not released (the main loop, parked in git, heartbeat neither)."""
-    import fcntl
-    import os
     import threading
     import time
 
@@ -143,16 +141,11 @@ def test_a_long_wait_on_the_mirror_keeps_every_lease_the_shift_holds(git_fleet) 
     thread = threading.Thread(target=shift.run, daemon=True)
     thread.start()
     wait_for("the first agent to run", lambda: running in shift.jobs, timeout=30)
-    fd = os.open(shift.mirror().lock_path, os.O_RDWR | os.O_CREAT)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # as another process fetching the mirror would
+    with mirror_held(shift.mirror()):
         waiting = fleet.enqueue("code", "waiting", {"steps": 1, "sleep": 0.02})
         wait_for("the second task to be claimed", lambda: fleet.task(waiting)["state"] == "running", timeout=30)
         time.sleep(7)  # two leases and more, the main loop waiting on the lock
         assert fleet.task(waiting)["state"] == "running" and running in shift.jobs
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
     thread.join(60)
     assert not thread.is_alive()
     for task in (running, waiting):
