@@ -25,6 +25,7 @@ from fleetkit import Backend, Fleet, alive, lane_defaults, pids_using, proc_chil
 from worker.agent.adapters import ADAPTERS
 from worker.agent.prices import run_report
 from worker.dev import example_agent
+from worker.errors import DatabaseUnavailable
 from worker.shift.shift import IDLE_CLAIM_MAX, Shift, ShiftSummary
 
 QUICK = {"steps": 2, "sleep": 0.05}
@@ -537,6 +538,70 @@ def test_a_cancelled_task_has_its_agent_stopped_within_a_heartbeat(fleet_of) -> 
     assert f.event_kinds(task_id) == ["enqueued", "claimed", "cancelled"]
     (run,) = f.runs(task_id)
     assert run["outcome"] == "cancelled" and run["exit_code"] == 128 + signal.SIGKILL
+
+
+def _claim_answer_lost_once(monkeypatch: pytest.MonkeyPatch, shift: Shift) -> None:
+    """The shift's first claim commits and its answer is lost on the way (as when the connection
+    breaks after the commit): the real store's claim runs, then the call fails as a broken one does."""
+    claim = shift.store.claim
+    calls = []
+
+    def lost_once(*args: Any, **kw: Any) -> Any:
+        got = claim(*args, **kw)
+        calls.append(got)
+        if len(calls) == 1:
+            assert got, "the test's claim found no task"
+            raise DatabaseUnavailable("server closed the connection unexpectedly (after the claim committed)")
+        return got
+
+    monkeypatch.setattr(shift.store, "claim", lost_once)
+
+
+def test_a_claim_whose_answer_was_lost_runs_its_tasks_without_spending_an_attempt(fleet_of, monkeypatch) -> None:
+    f = fleet_of()
+    ids = [f.enqueue("work", f"lost-answer:{i}", dict(QUICK)) for i in range(2)]
+    shift = f.shift("work")
+    _claim_answer_lost_once(monkeypatch, shift)
+    summary = shift.run()
+    assert summary.reason == "idle" and summary.claimed == 2 and summary.outcomes == {"done": 2}
+    for task_id in ids:
+        t = f.task(task_id)
+        # without fleet.claimed the next heartbeat (or the idle stop's close) released the tasks the
+        # shift never heard of: an evaporation each, and a second claim
+        assert (t["state"], t["attempts"], t["evaporations"], t["failures"]) == ("done", 1, 0, 0)
+        assert [(r["outcome"], r["session_id"]) for r in f.runs(task_id)] == [("done", summary.session)]
+        assert "repaired" not in f.event_kinds(task_id)
+
+
+def test_a_shift_that_ends_with_a_claim_unanswered_gives_its_tasks_back_at_no_cost(fleet_of, monkeypatch) -> None:
+    f = fleet_of()
+    task_id = f.enqueue("work", "lost-answer", dict(QUICK))
+    shift = f.shift("work", max_seconds=3)
+    shift.heartbeat_every = 0.5  # heartbeats while the claim is unanswered: none may release the task
+    _claim_answer_lost_once(monkeypatch, shift)
+    claimed = shift.store.claimed
+    asked = []
+
+    def unanswered_until_the_deadline(*args: Any, **kw: Any) -> Any:
+        asked.append(time.monotonic())
+        if time.monotonic() < shift.deadline:
+            raise DatabaseUnavailable("connection refused")
+        return claimed(*args, **kw)
+
+    monkeypatch.setattr(shift.store, "claimed", unanswered_until_the_deadline)
+    heartbeats = []
+    heartbeat = shift.store.heartbeat
+    monkeypatch.setattr(shift.store, "heartbeat",
+                        lambda *a, **kw: heartbeats.append(a[1]) or heartbeat(*a, **kw))
+    summary = shift.run()
+    assert summary.reason == "deadline" and len(asked) >= 3
+    assert len(heartbeats) >= 3 and all(h is None for h in heartbeats[1:]), heartbeats  # none named after it
+    t = f.task(task_id)
+    assert (t["state"], t["attempts"], t["evaporations"], t["failures"], t["transients"]) == ("queued", 1, 0, 0, 1)
+    assert [r["outcome"] for r in f.runs(task_id)] == ["transient"]
+    assert "repaired" not in f.event_kinds(task_id)
+    # and the next shift runs it
+    assert f.run_shift("work").outcomes == {"done": 1} and f.task(task_id)["state"] == "done"
 
 
 # -- 7. routes

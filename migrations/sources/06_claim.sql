@@ -257,6 +257,34 @@ $$;
 revoke all on function fleet.claim(uuid,integer) from public;
 grant execute on function fleet.claim(uuid,integer) to fleet_worker, service_role;
 
+-- The tasks a session holds that its shift does not know of. A claim whose answer was lost on the
+-- way (the connection broke after its commit, a request timed out after the server answered) made
+-- them the session's and the shift never heard: its next heartbeat, which names the tasks it
+-- runs, would release them as not-run-by-shift and spend an attempt on work that never ran. A
+-- shift whose claim failed so asks this first, and starts what it finds as the claim would have.
+-- p_known: the tasks the shift knows (it runs them, holds them, or has final calls pending for
+-- them). Rows: the tasks as fleet.claim returned them (their lease, attempt, tier and pool), in
+-- id order. Refused as fleet._active_session refuses (LF006) when the session is not active or
+-- not of the caller's lanes. It writes nothing: the claim made the runs and renewed the session.
+create or replace function fleet.claimed(p_session uuid, p_known bigint[] default '{}')
+returns setof fleet.tasks
+language plpgsql
+security definer set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    s fleet.sessions;
+begin
+    s := fleet._active_session(p_session);
+    return query
+        select * from fleet.tasks t
+         where t.session_id = s.id and t.state = 'running'
+           and t.id <> all (coalesce(p_known, '{}'))
+         order by t.id;
+end
+$$;
+revoke all on function fleet.claimed(uuid,bigint[]) from public;
+grant execute on function fleet.claimed(uuid,bigint[]) to fleet_worker, service_role;
+
 -- The lane's spend since midnight UTC (runs started today): cost and tokens of every kind.
 create or replace function fleet._lane_spend_today(p_lane text)
 returns table (cost_usd numeric, tokens numeric)

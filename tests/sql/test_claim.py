@@ -24,6 +24,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import errors
+from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from sqlkit import (
     INVALID_ARGUMENT,
@@ -31,6 +32,7 @@ from sqlkit import (
     SESSION_NOT_ACTIVE,
     Call,
     add_lane,
+    as_key,
     assert_index_only,
     bind,
     cancel,
@@ -682,3 +684,48 @@ def test_within_its_budget_a_task_is_claimed_as_before(conn) -> None:
     t = _budgeted(conn, "ok", max_cost=1)
     _spend(conn, t, 10, 0.25)
     assert [c["id"] for c in claim(conn, open_session(conn, "b"), 1)] == [t]
+
+
+# ------------------------------------------------------------------------------------------------
+# fleet.claimed: what a claim whose answer was lost made the session's
+
+
+def _claimed(conn: psycopg.Connection, session: uuid.UUID, known: list[int] | None) -> list[dict[str, Any]]:
+    return [dict(r) for r in conn.cursor(row_factory=dict_row).execute(
+        "select * from fleet.claimed(%s, %s::bigint[])", (session, known)).fetchall()]
+
+
+def test_claimed_answers_the_sessions_running_tasks_the_shift_does_not_know_as_the_claim_did(conn, lane, session):
+    a, b, c, d = (enqueue(conn, lane, k) for k in ("a", "b", "c", "d"))
+    answered = {t["id"]: t for t in claim(conn, session, 3)}  # a, b, c: the answer the shift never got
+    other = open_session(conn, lane)
+    claim(conn, other, 1)  # d: another session's
+    complete(conn, a, answered[a]["lease_token"])  # a: no longer running
+    before = world(conn)
+    got = _claimed(conn, session, [b])
+    assert [t["id"] for t in got] == [c]
+    assert got[0] == answered[c]  # the row as the claim answered it: its lease, attempt, tier, pool
+    assert [t["id"] for t in _claimed(conn, session, None)] == [b, c]  # NULL: nothing known
+    assert _claimed(conn, session, [b, c, d]) == []
+    assert _claimed(conn, other, []) == [dict(task(conn, d))]
+    assert world(conn) == before  # it only reads
+
+
+@pytest.mark.parametrize("how", ["closed", "unknown", "another-lanes-key"])
+def test_claimed_is_refused_for_a_session_that_is_not_the_callers_active_one(conn, lane, session, how):
+    enqueue(conn, lane, "k")
+    claim(conn, session, 1)
+    add_lane(conn, "b")
+    sid = uuid.uuid4() if how == "unknown" else session
+    if how == "closed":
+        close_session(conn, session)
+    before = world(conn)
+    if how == "another-lanes-key":
+        with as_key(conn, "fleet_worker", {"role": "fleet_worker", "fleet_lanes": ["b"]}), \
+                refused(SESSION_NOT_ACTIVE) as err:
+            _claimed(conn, sid, [])
+        assert "unknown session" in str(err.value)  # another lane's session is one that does not exist
+    else:
+        with refused(SESSION_NOT_ACTIVE):
+            _claimed(conn, sid, [])
+    assert world(conn) == before

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # grants and security settings
 
 
-API = {"enqueue_task", "enqueue", "enqueue_after", "open_session", "claim", "heartbeat", "checkpoint", "complete",
+API = {"enqueue_task", "enqueue", "enqueue_after", "open_session", "claim", "claimed", "heartbeat", "checkpoint", "complete",
        "fail", "hand_off", "route", "record_run", "close_session", "cancel", "retry", "sync_lane", "reconcile",
        "declare_session_lost", "schema_versions",
        # dispatch and guard rails and the bulk calls

@@ -198,6 +198,11 @@ class Shift:
         # ended and not yet answered for (their branch being pushed). Named by every heartbeat,
         # which would otherwise release them.
         self.held: set[int] = set()
+        # a claim failed with no answer (the connection broke, a request timed out): it may have
+        # committed, its tasks this session's and unknown here. Until fleet.claimed says which, no
+        # heartbeat names the tasks this shift runs (it would release those as not-run-by-shift,
+        # an attempt spent on work that never ran) and no idle stop ends the shift.
+        self._claim_unanswered = False
         self.summary = ShiftSummary()
         self._stop_reason: str | None = None
         self._wake = threading.Event()
@@ -286,7 +291,7 @@ class Shift:
                 if self._lost:  # the heartbeat or the claim found the session declared lost
                     self._stop_reason = "session-lost"
                     break
-                if self.once and not claimed and not self._busy():
+                if self.once and not claimed and not self._busy() and not self._claim_unanswered:
                     self._stop_reason = "idle"
                     break
                 if not claimed:
@@ -303,6 +308,13 @@ class Shift:
         return None if self.max_tasks is None else max(0, self.max_tasks - self.summary.claimed)
 
     def _claim(self) -> list[Task]:
+        if self._claim_unanswered:
+            found = self._claimed()
+            if found is None:
+                return []
+            if found:
+                self._run_claimed(found)
+                return found
         free = self.slots - len(self.jobs) - len(self.pending) - len(self.batches)
         budget = self._budget_left()
         if budget is not None:
@@ -321,7 +333,8 @@ class Shift:
             self._lost = True
             return []
         except DatabaseUnavailable as exc:
-            self.log.warning("claim failed; will try again", error=str(exc))
+            self.log.warning("claim failed; will ask what it claimed, then try again", error=str(exc))
+            self._claim_unanswered = True
             return []
         self._fence.renewed(sent, self._grant)  # a claim renews the session's lease (before any agent starts)
         if tasks:
@@ -329,6 +342,10 @@ class Shift:
         else:
             self._busy_at_empty, self._next_claim = busy, now + self._claim_delay
             self._claim_delay = min(self._claim_delay * 2, max(self.poll_seconds, IDLE_CLAIM_MAX))
+        self._run_claimed(tasks)
+        return tasks
+
+    def _run_claimed(self, tasks: list[Task]) -> None:
         self.held.update(t.id for t in tasks)
         for task in tasks:
             self.summary.claimed += 1
@@ -336,6 +353,28 @@ class Shift:
                 self._start(task)
             finally:
                 self.held.discard(task.id)
+
+    def _known(self) -> list[int]:
+        """The tasks this shift answers for: running, batches, final calls pending, held."""
+        return [*self.jobs, *self.pending, *self.batches, *self.held]
+
+    def _claimed(self) -> list[Task] | None:
+        """After a claim without an answer: the tasks it made this session's (fleet.claimed), or
+        None while the database does not answer."""
+        try:
+            tasks = self.store.claimed(self.session, self._known())
+        except SessionLost:
+            self._lost = True
+            return None
+        except DatabaseUnavailable as exc:
+            self.log.warning("could not ask what the unanswered claim claimed; will try again", error=str(exc))
+            return None
+        except FleetError as exc:  # refused: the heartbeats name the shift's tasks again, as before
+            self.log.error("could not ask what the unanswered claim claimed", error=str(exc))
+            tasks = []
+        self._claim_unanswered = False
+        if tasks:
+            self.log.warning("a claim's answer was lost; its tasks found", tasks=[t.id for t in tasks])
         return tasks
 
     def _compose_batch(self) -> None:
@@ -1039,7 +1078,8 @@ class Shift:
             progressed += [tid for tid, runner in self.batches.items() if runner.progressed()]
             attention.update({tid: w for tid, runner in self.batches.items() if (w := runner.attention())})
             sent = time.monotonic()
-            statuses = self.store.heartbeat(self.session, [*self.jobs, *self.pending, *self.batches, *self.held],
+            # (none named while a claim is unanswered: what it claimed is held, not released)
+            statuses = self.store.heartbeat(self.session, None if self._claim_unanswered else self._known(),
                                             progressed, attention)
         except SessionLost as exc:
             self.log.error("session lost: stopping every agent", error=str(exc))
@@ -1097,6 +1137,20 @@ class Shift:
 
     # -- the end of the shift
 
+    def _give_back_unanswered_claim(self) -> None:
+        """The shift ends with a claim unanswered: what it claimed goes back to the queue at once,
+        as a transient error (its answer lost on the way says nothing about the work: no failure,
+        no evaporation), not released by close_session at the cost of an attempt."""
+        why = "the claim's answer was lost on the way and the shift ended before it could start the task"
+
+        def give_back(task_id: int, token: UUID) -> Callable[[], str]:
+            return lambda: self.store.transient(task_id, token, why, 0.0)
+
+        for task in self._claimed() or []:
+            assert task.lease_token is not None
+            self.summary.claimed += 1
+            self._call(task.id, give_back(task.id, task.lease_token), "transient")
+
     def _shutdown(self, reason: str) -> None:
         self.summary.reason = reason
         self.log.info("shift ending", reason=reason, running=len(self.jobs))
@@ -1132,6 +1186,8 @@ class Shift:
                 self.log.error("supervisor did not exit", task=job.task.id, pid=job.agent.pid)
         self._reap()
         self._retry_pending()
+        if self._claim_unanswered and not self._lost:
+            self._give_back_unanswered_claim()
         if self.pending:  # close_session releases them (each counts as an evaporation)
             self.log.error("final calls never answered", tasks=sorted(self.pending))
         self.summary.exit_code = EXIT_SESSION_LOST if self._lost else EXIT_OK

@@ -262,6 +262,13 @@ class PostgresStore(NamedReads):
         rows = self._run("select * from fleet.claim(%s, %s)", (session, limit), idempotent=False)
         return [Task.model_validate(r) for r in rows]
 
+    def claimed(self, session: UUID, known: list[int]) -> list[Task]:
+        """The tasks the session holds that are not in ``known``: what a claim whose answer was
+        lost made the session's (fleet.claimed), to be started as that claim's answer would have
+        been."""
+        rows = self._run("select * from fleet.claimed(%s, %s::bigint[])", (session, known))
+        return [Task.model_validate(r) for r in rows]
+
     def heartbeat(self, session: UUID, tasks: list[int] | None = None, progressed: list[int] | None = None,
                   attention: dict[int, str] | None = None) -> Heartbeat:
         """Renew the session's lease, which every task it holds follows: ``tasks`` are the ones it

@@ -345,6 +345,12 @@ class SupabaseStore(NamedReads):
                               idempotent=False)
         return [Task.model_validate(r) for r in rows]
 
+    def claimed(self, session: UUID, known: list[int]) -> list[Task]:
+        """What a claim whose answer was lost made the session's (see
+        :meth:`worker.store.postgres.PostgresStore.claimed`)."""
+        return [Task.model_validate(r) for r in self._rpc_rows("claimed", {"p_session": str(session),
+                                                                            "p_known": known})]
+
     def heartbeat(self, session: UUID, tasks: list[int] | None = None, progressed: list[int] | None = None,
                   attention: dict[int, str] | None = None) -> Heartbeat:
         """Renew the session's lease (see :meth:`worker.store.postgres.PostgresStore.heartbeat`)."""
