@@ -5,10 +5,17 @@ runs on its interval) and by ``fleet up`` (keep a shift on every lane that has w
 a separate process, so one that crashes takes nothing else down, and the monitor repairs its
 work. On stop every shift gets SIGTERM — it hands off and closes its session — and whatever has
 not exited after its grace is killed, by pid, only the processes this host started.
+
+A lane has ``max_shifts`` slots on a host, one lock file each (:func:`slot_lock`, in
+``<home>/cron`` by default): a launched shift holds its slot's ``flock`` for as long as it lives
+(the kernel lets go when it exits, however it exits), the one the ``flock -n`` guards of
+``fleet crontab`` take. So two ``fleet run`` in one directory, or one beside its crontab, never
+run more than ``max_shifts`` of a lane between them.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shlex
 import signal
@@ -34,6 +41,8 @@ class ShiftLauncher:
     env: dict[str, str]
     extra_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
+    #: where the lane's slot locks are (:func:`slot_lock`); None: only this launcher's count
+    lock_dir: Path | None = None
     running: dict[str, list[subprocess.Popen[bytes]]] = field(default_factory=dict)
     launched: dict[str, int] = field(default_factory=dict)
     max_seen: dict[str, int] = field(default_factory=dict)
@@ -60,23 +69,46 @@ class ShiftLauncher:
             if len(procs) >= limit:
                 log.info("shift not launched: lane at max_shifts", lane=lane, max_shifts=limit)
                 return None
-            out: int | object = subprocess.DEVNULL
+            slot = None if self.lock_dir is None else self._take_slot(self.lock_dir, lane, limit)
+            if self.lock_dir is not None and slot is None:
+                log.info("shift not launched: the lane's max_shifts slots on this host are held by shifts "
+                         "another launcher started", lane=lane, max_shifts=limit, lock_dir=str(self.lock_dir))
+                return None
+            out = subprocess.DEVNULL  # (an int too: only a log opened here is closed below)
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
                 # its owner's alone: a shift's errors may name hosts, users and paths of the fleet's
                 out = os.open(self.log_dir / f"shift-{lane}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
                 os.fchmod(out, 0o600)  # (one an older lanefleet made)
             try:
+                # the shift inherits its slot's lock and holds it until it exits
                 proc = subprocess.Popen(self.command(lane, extra), env=self.env, stdin=subprocess.DEVNULL,
-                                        stdout=out, stderr=out)  # type: ignore[arg-type]
+                                        stdout=out, stderr=out, pass_fds=() if slot is None else (slot,))
             finally:
-                if isinstance(out, int):
+                if out != subprocess.DEVNULL:
                     os.close(out)
+                if slot is not None:
+                    os.close(slot)  # this process's copy: the lock stays the shift's
             procs.append(proc)
             self.launched[lane] = self.launched.get(lane, 0) + 1
             self.max_seen[lane] = max(self.max_seen.get(lane, 0), len(procs))
         log.info("shift launched", lane=lane, pid=proc.pid)
         return proc
+
+    @staticmethod
+    def _take_slot(folder: Path, lane: str, limit: int) -> int | None:
+        """A descriptor holding the lock of a free slot of ``lane`` in ``folder``; None when all
+        ``limit`` are held."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(limit):
+            fd = os.open(slot_lock(folder, lane, i), os.O_RDONLY | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            return fd
+        return None
 
     def stop_all(self, grace: float | None = None) -> None:
         """SIGTERM every shift (they hand off), then SIGKILL what outlives the grace."""
@@ -96,6 +128,16 @@ class ShiftLauncher:
                 p.kill()
                 p.wait()
         self.reap()
+
+
+def slot_lock(lock_dir: Path, lane: str, slot: int) -> Path:
+    """The lock file of a lane's shift slot ``slot`` (0 … max_shifts - 1) in ``lock_dir``."""
+    return lock_dir / f"shift-{lane}-{slot}.lock"
+
+
+def default_lock_dir(cfg: FleetConfig) -> Path:
+    """Where the slot locks (and the crontab's logs) of this config's host are by default."""
+    return (cfg.path(cfg.fleet.home) / "cron").resolve()
 
 
 def shift_env(cfg: FleetConfig, url: str | None, config_path: Path | None) -> dict[str, str]:
@@ -139,7 +181,7 @@ def crontab_lines(cfg: FleetConfig, *, fleet_bin: str, workdir: Path, config: Pa
     """System crontab lines equivalent to ``fleet run``: a shift per lane, the monitor each minute.
 
     ``flock -n`` keeps a lane from running more shifts than it may: one lock file per shift slot,
-    tried in turn (``max_shifts`` of them).
+    tried in turn (``max_shifts`` of them), the ones a :class:`ShiftLauncher` takes.
     """
     cfg_arg = f" --config {shlex.quote(str(config.resolve()))}" if config else ""
     cd = f"cd {shlex.quote(str(workdir.resolve()))} && "
@@ -153,7 +195,7 @@ def crontab_lines(cfg: FleetConfig, *, fleet_bin: str, workdir: Path, config: Pa
             lines.append(f"# lane {name}: cron has a seconds field ({lane.cron}); cron runs it each minute")
             fields = fields[1:]
         locks = " || ".join(
-            f"flock -n {shlex.quote(str(lock_dir / f'shift-{name}-{i}.lock'))} "
+            f"flock -n {shlex.quote(str(slot_lock(lock_dir, name, i)))} "
             f"{shlex.quote(fleet_bin)}{cfg_arg} shift --lane {shlex.quote(name)}"
             for i in range(lane.max_shifts)
         )

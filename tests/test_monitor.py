@@ -367,6 +367,8 @@ def run_env(fleet: Fleet) -> dict[str, str]:
 
 
 def test_fleet_run_launches_shifts_on_cron_and_never_past_max_shifts(make_fleet):
+    """Two `fleet run` in one directory (a restart that overlapped, a second operator): between
+    them a lane still runs no more than max_shifts shifts at once (they share its slot locks)."""
     fleet = make_fleet(
         # short shifts (about 2 s of work): a lane's next shift may start only after the last ended
         {name: lane(cron="*/2 * * * * *", max_shifts=1, shift_minutes=0.03, max_running=2)
@@ -374,11 +376,13 @@ def test_fleet_run_launches_shifts_on_cron_and_never_past_max_shifts(make_fleet)
         monitor_every="2s",
     )
     ids = fleet.enqueue("docs", 1, HANG) + fleet.enqueue("bugfix", 1, HANG)
-    err = (fleet.tmp / "run.err").open("wb")
-    run = subprocess.Popen([sys.executable, "-m", "monitor.cli", "run"], cwd=ROOT, env=run_env(fleet),
-                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err)
-    err.close()
-    fleet.procs.append(run)
+    runs = []
+    for i in range(2):
+        err = (fleet.tmp / f"run{i}.err").open("wb")
+        runs.append(subprocess.Popen([sys.executable, "-m", "monitor.cli", "run"], cwd=ROOT, env=run_env(fleet),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err))
+        err.close()
+        fleet.procs.append(runs[-1])
 
     def second_shifts_at_work() -> bool:
         per_lane = fleet.sql("select lane, count(*) as n from fleet.sessions group by lane")
@@ -387,18 +391,21 @@ def test_fleet_run_launches_shifts_on_cron_and_never_past_max_shifts(make_fleet)
 
     # a few seconds on a quiet machine; SIGTERM while a shift has a task running
     wait_for("a shift in each lane and a second one", second_shifts_at_work, timeout=40, every=0.1)
-    run.send_signal(signal.SIGTERM)
-    out, _ = run.communicate(timeout=40)
+    for run in runs:
+        run.send_signal(signal.SIGTERM)
+    summaries = []
+    for i, run in enumerate(runs):
+        out, _ = run.communicate(timeout=40)
+        assert run.returncode == 0, (fleet.tmp / f"run{i}.err").read_text()[-3000:]
+        summaries.append(json.loads(out.decode().strip().splitlines()[-1]))
 
-    assert run.returncode == 0, (fleet.tmp / "run.err").read_text()[-3000:]
-    summary = json.loads(out.decode().strip().splitlines()[-1])
     sessions = fleet.sql("select * from fleet.sessions order by lane, started_at")
     for name in ("docs", "bugfix"):
         mine = [s for s in sessions if s["lane"] == name]
-        assert 1 <= len(mine) <= summary["launched"][name], (summary, mine)
-        assert summary["max_concurrent"][name] == 1
+        assert 1 <= len(mine) <= sum(s["launched"].get(name, 0) for s in summaries), (summaries, mine)
+        assert {s["max_concurrent"].get(name, 1) for s in summaries} == {1}, summaries
         assert {s["end_reason"] for s in mine} <= {"deadline", "SIGTERM"}, mine
-        # never two shifts of a lane at once: each one ended before the next started
+        # never two shifts of a lane at once, of either run: each one ended before the next started
         for before, after in pairwise(mine):
             assert before["ended_at"] <= after["started_at"], (before, after)
     assert len(sessions) >= 3
@@ -501,6 +508,53 @@ def test_fleet_crontab_is_quiet_when_the_config_file_says_it_all(make_fleet, tmp
     out = fleet.cli("crontab", env=env)
     assert out.returncode == 0, out.stderr
     assert "warning" not in out.stdout and "warning" not in out.stderr
+
+
+def test_a_launched_shift_holds_the_slot_the_crontabs_flock_guard_takes(tmp_path):
+    """`fleet run` and the crontab of one directory share a lane's slots, both ways: the lock file
+    is the one in the crontab's line, read from it."""
+    from monitor.host import ShiftLauncher, crontab_lines, default_lock_dir
+
+    toml = write_config(tmp_path, {"docs": lane(cron="*/10 * * * *", max_shifts=1)})
+    cfg = load_config(toml, environ={})
+    folder = default_lock_dir(cfg)
+    (line,) = [ln for ln in crontab_lines(cfg, fleet_bin="/usr/local/bin/fleet", workdir=tmp_path, config=toml,
+                                          lock_dir=folder) if " shift " in ln]
+    (slot,) = [w for w in shlex.split(line.split(None, 5)[5].replace(";", " ")) if w.endswith(".lock")]
+
+    class Sleepers(ShiftLauncher):
+        """The slot accounting under test, not the shift: a process that lives until it is stopped."""
+
+        def command(self, lane: str, extra: list[str] | None = None) -> list[str]:
+            return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+    def guard_gets_the_slot() -> bool:  # what the crontab's line runs before its shift
+        return subprocess.run(["flock", "-n", slot, "true"]).returncode == 0
+
+    first, second = Sleepers(cfg, dict(os.environ), lock_dir=folder), Sleepers(cfg, dict(os.environ), lock_dir=folder)
+    held = None
+    try:
+        shift = first.launch("docs")
+        assert shift is not None
+        assert not guard_gets_the_slot(), "cron would start a second shift beside fleet run's"
+        assert second.launch("docs") is None and second.count("docs") == 0
+        shift.kill()  # however the shift ends, the kernel lets go of its slot
+        shift.wait()
+        assert guard_gets_the_slot()
+        # and the other way: a shift cron started holds the slot against fleet run
+        held = subprocess.Popen(["flock", "-n", slot, "sleep", "60"], start_new_session=True)
+        wait_for("cron's shift holding the slot", lambda: not guard_gets_the_slot())
+        assert second.launch("docs") is None
+        os.killpg(held.pid, signal.SIGKILL)  # flock and its sleep: the group this test started
+        held.wait()
+        wait_for("the slot free again", guard_gets_the_slot)
+        assert second.launch("docs") is not None
+    finally:
+        first.stop_all(grace=5)
+        second.stop_all(grace=5)
+        if held is not None and held.poll() is None:
+            os.killpg(held.pid, signal.SIGKILL)
+            held.wait()
 
 
 @pytest.mark.parametrize(("every", "fields"), [("30s", "*/1 * * * *"), ("5m", "*/5 * * * *"),

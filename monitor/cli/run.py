@@ -97,7 +97,7 @@ def run(
     from apscheduler.schedulers.background import BackgroundScheduler
     from apscheduler.triggers.interval import IntervalTrigger
 
-    from monitor.host import ShiftLauncher, shift_env
+    from monitor.host import ShiftLauncher, default_lock_dir, shift_env
     from monitor.outage import Outage
     from monitor.reconcile import monitor_pass
     from worker.config import cron_trigger, flag_duration
@@ -123,8 +123,9 @@ def run(
     retired = {row["name"] for row in store.query("list_lanes") if row["retired_at"] is not None}
     chosen = [name for name in chosen if name not in retired]
     url = r.url if r.cfg.fleet.store == "postgres" else None
+    # the lane's slots on this host: shared with other launchers here and the crontab's guards
     launcher = ShiftLauncher(r.cfg, shift_env(r.cfg, url, r.config_path),
-                             log_dir=r.cfg.path(r.cfg.fleet.home) / "logs")
+                             log_dir=r.cfg.path(r.cfg.fleet.home) / "logs", lock_dir=default_lock_dir(r.cfg))
     scheduler = BackgroundScheduler(timezone="UTC")
     scheduled = []
     for name in chosen:
@@ -157,12 +158,12 @@ def crontab(
     lock_dir: Annotated[Path | None, typer.Option(help="where lock and log files go (default: <home>/cron)")] = None,
 ) -> None:
     """Print system crontab lines equivalent to fleet run (absolute paths, flock overlap guards)."""
-    from monitor.host import crontab_lines
+    from monitor.host import crontab_lines, default_lock_dir
     from worker.config import env_settings
 
     r = rt(ctx)
     fleet_bin = shutil.which("fleet") or str(Path(sys.executable).with_name("fleet"))
-    folder = (lock_dir or r.cfg.path(r.cfg.fleet.home) / "cron").resolve()
+    folder = lock_dir.resolve() if lock_dir else default_lock_dir(r.cfg)
     # cron starts its jobs with an environment of its own: what this one sets, they would not see
     # (a DATABASE_URL only here, and the shifts would run on the embedded database instead)
     unseen = env_settings(os.environ)
@@ -243,7 +244,7 @@ def up(
         demo_summary,
         queue_demo,
     )
-    from monitor.host import ShiftLauncher, shift_env
+    from monitor.host import ShiftLauncher, default_lock_dir, shift_env
     from monitor.outage import Outage
     from monitor.reconcile import monitor_pass
     from worker.logs import configure_logging
@@ -274,7 +275,8 @@ def up(
         shift_seconds = shift_seconds or 10.0
     extra = ["--max-seconds", str(shift_seconds)] if shift_seconds else []
     launcher = ShiftLauncher(r.cfg, {**shift_env(r.cfg, url, r.config_path), "PGAPPNAME": "lanefleet shift"},
-                             extra_args=["--poll", "0.2", *extra], log_dir=r.cfg.path(r.cfg.fleet.home) / "logs")
+                             extra_args=["--poll", "0.2", *extra], log_dir=r.cfg.path(r.cfg.fleet.home) / "logs",
+                             lock_dir=default_lock_dir(r.cfg))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
