@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -29,6 +30,7 @@ from fleetkit import Backend
 from psycopg.rows import dict_row
 from sqlkit import expire
 
+from monitor.host import SLOT_HELD
 from monitor.reconcile import host_checks, monitor_pass
 from worker.config import FleetConfig, cron_trigger, load_config
 from worker.proc import process_identity, process_start_time
@@ -498,6 +500,58 @@ def test_fleet_crontab(make_fleet):
     for value in fleet.env("operator").values():
         if len(value) > 20 and "/" not in value.strip("/"):  # keys and URLs: never printed
             assert value not in out.stdout
+
+
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)  # the lines are the same on both
+def test_crontab_lines_run_as_cron_runs_them_on_a_fresh_host(make_fleet):
+    """Each job's command as cron hands it to bash (its escaped % unescaped), with a lock folder that
+    does not exist yet and has a % in its path: the folder is made, its owner's alone; a shift takes
+    the first free slot; a lane whose slots are all held starts none; a shift that fails is not
+    followed by one in the next slot."""
+    fleet = make_fleet({"docs": lane(cron="*/10 * * * *", max_shifts=2, shift_minutes=0.02)})
+    folder = fleet.tmp / "100% fresh" / "cron"
+    out = fleet.cli("crontab", "--lock-dir", str(folder))
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if ln and not ln.startswith("#") and "=" not in ln.split()[0]]
+    assert all(re.search(r"(?<!\\)%", ln) is None for ln in lines), lines  # cron would cut the command there
+    jobs = {("shift" if " shift " in ln else "monitor"): ln.split(None, 5)[5].replace("\\%", "%") for ln in lines}
+    holders: list[subprocess.Popen[bytes]] = []
+
+    def run(command: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", "-c", command], env=env or fleet.env("worker"), stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=60)
+
+    def hold(slot: int) -> None:  # a shift of the lane that cron started earlier
+        lock = str(folder / f"shift-docs-{slot}.lock")
+        holders.append(subprocess.Popen(["flock", "-n", lock, "sleep", "60"], start_new_session=True))
+        wait_for(f"slot {slot} held", lambda: subprocess.run(["flock", "-n", lock, "true"]).returncode != 0)
+
+    def sessions() -> list[dict[str, Any]]:
+        return fleet.sql("select * from fleet.sessions where lane = 'docs' order by id")
+
+    try:
+        monitor = run(jobs["monitor"], fleet.env("operator"))
+        assert monitor.returncode == 0 and not monitor.stdout and not monitor.stderr, monitor
+        assert (folder / "monitor.log").exists() and folder.stat().st_mode & 0o777 == 0o700
+        hold(0)
+        assert run(jobs["shift"]).returncode == 0
+        assert [s["end_reason"] for s in sessions()] == ["deadline"]  # in slot 1
+        hold(1)
+        assert run(jobs["shift"]).returncode == SLOT_HELD
+        assert len(sessions()) == 1
+        for holder in holders:
+            os.killpg(holder.pid, signal.SIGKILL)  # flock and its sleep: the groups this test started
+            holder.wait()
+        holders.clear()
+        (folder / "shift-docs.log").unlink()
+        env = {**fleet.env("worker"), "DATABASE_URL": "postgresql://postgres@127.0.0.1:5432/lanefleet_no_such_db"}
+        assert run(jobs["shift"], env).returncode == 0  # the shift's 1: not a held slot, no second shift
+        log = (folder / "shift-docs.log").read_text()
+        assert "lanefleet_no_such_db" in log and len(log.strip().splitlines()) == 1, log  # one shift's one line
+    finally:
+        for holder in holders:
+            os.killpg(holder.pid, signal.SIGKILL)
+            holder.wait()
 
 
 def test_fleet_crontab_is_quiet_when_the_config_file_says_it_all(make_fleet, tmp_path):
