@@ -49,6 +49,10 @@ def overview(fleet: Fleet) -> dict[str, Any]:
 # stalls
 
 
+def journal_size(fleet: Fleet) -> int:
+    return int(fleet.sql("select count(*) as n from fleet.journal")[0]["n"])
+
+
 def test_a_stalled_agent_is_stopped_and_its_next_attempt_escalates(rails) -> None:
     fleet = rails(stall_seconds=2, stall_action="stop")
     task = fleet.enqueue("work", "quiet", {"mode": "hang"})  # alive, says nothing, never checkpoints
@@ -157,11 +161,21 @@ def test_a_budget_crossed_mid_run_stops_the_agent_and_blocks_the_task(rails) -> 
     steps = json.loads((fleet.workspace("work", "spender") / ".fleet" / "checkpoint.json").read_text())["step"]
     assert steps < 10
 
-    # resumed without a new budget: blocked again at once, without running the agent (no new spend)
-    assert fleet.cli("resume", str(task)).returncode == 0
-    fleet.run_shift("work", max_tasks=1)
-    assert fleet.task(task)["state"] == "blocked" and len(fleet.runs(task)) == 2
-    assert fleet.runs(task)[1]["input_tokens"] == 0
+    # resumed without a new budget, or with one it has spent too: refused, one line, nothing changed
+    # (the next claim would block it again at once, an attempt and a run for nothing)
+    before = (fleet.task(task), fleet.runs(task), journal_size(fleet))
+    for args in ([], ["--max-tokens", "12000"], ["--max-cost", "0", "--max-tokens", str(streamed)]):
+        refused = fleet.cli("resume", str(task), *args)
+        assert refused.returncode == 1 and "would be blocked again at once" in refused.stderr, refused
+        assert f"spent {streamed:,} tokens" in refused.stderr and "--max-tokens" in refused.stderr, refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1 and "Traceback" not in refused.stderr
+        assert (fleet.task(task), fleet.runs(task), journal_size(fleet)) == before, args
+    # (the dashboards read SQL: over the database's own connection on either back-end)
+    shown = fleet.cli("status", env={**fleet.env("operator"), "FLEET_FLEET__STORE": "postgres",
+                                     "DATABASE_URL": fleet.backend.db_url})
+    assert shown.returncode == 0, shown.stderr
+    status = " ".join(shown.stdout.split())  # (its title wraps at the terminal's width)
+    assert "a budget: `fleet resume TASK --max-tokens N`" in status and "re-runs the gate" not in status, status
     # with a budget that fits, it runs to the end
     assert fleet.cli("resume", str(task), "--max-tokens", "1000000").returncode == 0
     fleet.run_shift("work", max_tasks=1, max_seconds=60)

@@ -93,8 +93,12 @@ grant execute on function fleet.retry(bigint) to fleet_operator, service_role;
 
 -- An operator's answer to a blocked task: back to the queue. Blocked by its verify gate, the next
 -- claim re-runs the gate only (the agent's work is already there); blocked for another reason
--- (a budget), the agent runs again.
-create or replace function fleet.resume(p_task bigint)
+-- (a budget), the agent runs again. A new budget (NULL: that limit as it is; 0: none) is set in
+-- the same transaction (journaled: budget_set). A task its budget blocked is refused while the
+-- budget it would have is spent (the next claim would block it again at once, an attempt and a
+-- run for nothing), and every refusal changes nothing: no budget is set either.
+create or replace function fleet.resume(p_task bigint, p_max_cost_usd numeric default null,
+                                        p_max_tokens bigint default null)
 returns text
 language plpgsql
 security definer
@@ -102,11 +106,33 @@ set search_path = pg_catalog, fleet, pg_temp
 as $$
 declare
     t fleet.tasks;
+    v_over text;
 begin
+    if p_max_cost_usd < 0 or p_max_tokens < 0 then
+        perform fleet._raise('LF005', 'a task budget must not be negative');
+    end if;
     t := fleet._lock_task(p_task);
     if t.state <> 'blocked' then
         perform fleet._raise('LF004', format('task %s is %s: only blocked tasks can be resumed', p_task, t.state),
             'a dead or cancelled task is retried (`fleet retry`)');
+    end if;
+    if p_max_cost_usd is not null or p_max_tokens is not null then
+        update fleet.tasks
+           set max_cost_usd = case when p_max_cost_usd is null then max_cost_usd else nullif(p_max_cost_usd, 0) end,
+               max_tokens = case when p_max_tokens is null then max_tokens else nullif(p_max_tokens, 0) end,
+               updated_at = now()
+         where id = p_task;
+        perform fleet._event('budget_set', t.lane, p_task, null,
+            jsonb_build_object('max_cost_usd', p_max_cost_usd, 'max_tokens', p_max_tokens,
+                               'was', jsonb_build_object('max_cost_usd', t.max_cost_usd, 'max_tokens', t.max_tokens)));
+    end if;
+    if t.block_reason = 'budget' then
+        v_over := fleet._over_budget((select x from fleet.tasks x where x.id = p_task),
+                                     (select l from fleet.lanes l where l.name = t.lane));
+        if v_over is not null then
+            perform fleet._raise('LF004', format('task %s would be blocked again at once: it %s', p_task, v_over),
+                'give it a budget it has not spent: `fleet resume TASK --max-cost USD` or `--max-tokens N` (0: none)');
+        end if;
     end if;
     update fleet.tasks
        set state = 'queued', run_at = now(), carry_over = true, updated_at = now(),
@@ -119,8 +145,8 @@ begin
     return 'queued';
 end
 $$;
-revoke all on function fleet.resume(bigint) from public;
-grant execute on function fleet.resume(bigint) to fleet_operator, service_role;
+revoke all on function fleet.resume(bigint,numeric,bigint) from public;
+grant execute on function fleet.resume(bigint,numeric,bigint) to fleet_operator, service_role;
 
 create or replace function fleet.review_approve(p_task bigint, p_note text default null)
 returns text
@@ -205,36 +231,6 @@ end
 $$;
 revoke all on function fleet.task_spend(bigint) from public;
 grant execute on function fleet.task_spend(bigint) to fleet_operator, fleet_worker, service_role;
-
--- An operator's new budget for a task (e.g. before resuming one blocked by its budget). NULL
--- leaves that limit as it is; 0 removes it.
-create or replace function fleet.set_task_budget(p_task bigint, p_max_cost_usd numeric default null,
-                                                 p_max_tokens bigint default null)
-returns text
-language plpgsql
-security definer
-set search_path = pg_catalog, fleet, pg_temp
-as $$
-declare
-    t fleet.tasks;
-begin
-    if p_max_cost_usd < 0 or p_max_tokens < 0 then
-        perform fleet._raise('LF005', 'a task budget must not be negative');
-    end if;
-    t := fleet._lock_task(p_task);
-    update fleet.tasks
-       set max_cost_usd = case when p_max_cost_usd is null then max_cost_usd else nullif(p_max_cost_usd, 0) end,
-           max_tokens = case when p_max_tokens is null then max_tokens else nullif(p_max_tokens, 0) end,
-           updated_at = now()
-     where id = p_task;
-    perform fleet._event('budget_set', t.lane, p_task, null,
-        jsonb_build_object('max_cost_usd', p_max_cost_usd, 'max_tokens', p_max_tokens,
-                           'was', jsonb_build_object('max_cost_usd', t.max_cost_usd, 'max_tokens', t.max_tokens)));
-    return t.state;
-end
-$$;
-revoke all on function fleet.set_task_budget(bigint,numeric,bigint) from public;
-grant execute on function fleet.set_task_budget(bigint,numeric,bigint) to fleet_operator, service_role;
 
 -- An operator lifts a pool's throttle (fleet.throttle) before its reset: the pool takes claims
 -- again at once, and the tasks that wait for its reset (queued, their last run throttled on this

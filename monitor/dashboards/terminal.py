@@ -3,6 +3,7 @@ terminal (:class:`worker.tables.FitTable`: fewer columns at 80, every one with `
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -11,6 +12,18 @@ from rich.markup import escape
 from rich.text import Text
 
 from worker.tables import Col, FitTable, fmt_cost, fmt_num, fmt_secs, fmt_share
+
+
+def _unblocking(reasons: Iterable[str]) -> str:
+    """What unblocks the reasons shown: a gate's task is resumed (the gate runs again) or retried
+    (the agent runs again); a budget's is resumed with a new budget (without one it is refused)."""
+    seen = set(reasons)
+    hints = []
+    if seen - {"budget"}:
+        hints.append("`fleet resume TASK` re-runs the gate, `fleet retry TASK` the agent")
+    if "budget" in seen:
+        hints.append("a budget: `fleet resume TASK --max-tokens N` (or `--max-cost USD`)")
+    return "; ".join(hints)
 
 
 def _ago(now: datetime, when: Any) -> str:
@@ -62,7 +75,7 @@ def render_status(data: dict[str, Any], wide: bool = False) -> RenderableType:
         blocked = FitTable([Col("task", "num"), Col("lane", "key", 2), Col("key", "key"), Col("why", "key"),
                             Col("tier", "key", 3), Col("profile", "key", 3), Col("blocked", "key", 2),
                             Col("evidence", drop=1)],
-                           title="blocked tasks: `fleet resume TASK` re-runs the gate, `fleet retry TASK` the agent",
+                           title=f"blocked tasks: {_unblocking(row['block_reason'] for row in data['blocked'])}",
                            title_style="bold yellow", wide=wide)
         for row in data["blocked"]:
             evidence = (row["evidence"] or "").strip().splitlines()

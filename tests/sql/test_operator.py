@@ -1,7 +1,7 @@
 """The operator group (migrations/sources/09_operator.sql): fleet.cancel, fleet.retry and
 fleet.clear_throttle, called over psycopg against a real, freshly migrated PostgreSQL — what they
-change, what they refuse, the events they write. (fleet.resume, fleet.review_approve/review_reject, fleet.task_spend and
-fleet.set_task_budget are exercised through real shifts and `fleet` commands:
+change, what they refuse, the events they write. (fleet.resume, fleet.review_approve/review_reject and fleet.task_spend
+are exercised through real shifts and `fleet` commands:
 tests/test_guardrails.py, tests/test_dispatch.py; their grants and lane checks:
 tests/sql/test_security.py.)
 """

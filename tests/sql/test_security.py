@@ -45,7 +45,7 @@ API = {"enqueue_task", "enqueue", "enqueue_after", "open_session", "claim", "cla
        "fail", "hand_off", "route", "record_run", "close_session", "cancel", "retry", "sync_lane", "reconcile",
        "declare_session_lost", "schema_versions",
        # dispatch and guard rails and the bulk calls
-       "block", "throttle", "transient", "drop_session", "resume", "sync_pool", "sync_profile", "task_spend", "set_task_budget",
+       "block", "throttle", "transient", "drop_session", "resume", "sync_pool", "sync_profile", "task_spend",
        "review_approve", "review_reject", "stalled_tasks", "lease_held", "enqueue_many", "complete_many",
        "touch_workspace", "task_workspace", "workspaces_to_reap", "workspace_reaped",
        # the twins that answer one value (the Supabase store's: PostgREST cuts rows at db-max-rows)
@@ -341,7 +341,7 @@ def test_lane_checks_on_this_server(conn: psycopg.Connection, world: dict[str, A
     for query, params in [("select fleet.resume(%s)", (world["task"],)),
                           ("select fleet.review_approve(%s)", (world["task"],)),
                           ("select fleet.review_reject(%s, 'no')", (world["task"],)),
-                          ("select fleet.set_task_budget(%s, 1)", (world["task"],)),
+                          ("select fleet.resume(%s, 1)", (world["task"],)),
                           ("select fleet.sync_pool('p', 1)", ()),
                           ("select fleet.sync_profile('p', null, '{}')", ())]:
         with pytest.raises(psycopg.Error) as err, as_key(conn, "fleet_worker", {"role": "fleet_worker", "fleet_lanes": ["*"]}):
@@ -351,7 +351,7 @@ def test_lane_checks_on_this_server(conn: psycopg.Connection, world: dict[str, A
     # task: they are unknown to it
     op_docs = {"role": "fleet_operator", "fleet_lanes": ["docs"]}
     for query in ("select fleet.resume(%s)", "select fleet.review_approve(%s)", "select fleet.review_reject(%s, 'n')",
-                  "select fleet.set_task_budget(%s, 1)", "select fleet.cancel(%s)", "select fleet.retry(%s)"):
+                  "select fleet.resume(%s, p_max_tokens => 1)", "select fleet.cancel(%s)", "select fleet.retry(%s)"):
         theirs = _answer(conn, op_docs, query, (world["task"],), names)
         assert theirs == _answer(conn, op_docs, query, (UNKNOWN,), names), query
         assert "LF003" in theirs[0] and "unknown task <task>" in theirs[0], (query, theirs)

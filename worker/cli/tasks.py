@@ -256,8 +256,6 @@ def resume(
         return
     assert ref is not None
     task = store.get_task(ref, lane)
-    if max_cost is not None or max_tokens is not None:
-        store.set_task_budget(task.id, max_cost, max_tokens)
-    state = store.resume(task.id)
+    state = store.resume(task.id, max_cost, max_tokens)  # a new budget with it, or neither
     gate = task.block_reason in ("automation-broken", "capability-unavailable")
     console.print(f"task {task.id}: {state}" + (" (its verify gate runs again)" if gate else ""))

@@ -291,10 +291,6 @@ class PostgresStore(NamedReads):
         row = self._run("select cost_usd, tokens from fleet.task_spend(%s)", (task,))[0]
         return float(row["cost_usd"]), int(row["tokens"])
 
-    def set_task_budget(self, task: int, max_cost_usd: float | None = None, max_tokens: int | None = None) -> str:
-        return str(self._one("select fleet.set_task_budget(%s, %s::numeric, %s::bigint)",
-                             (task, max_cost_usd, max_tokens)))
-
     def review_approve(self, task: int, note: str | None = None) -> str:
         return str(self._one("select fleet.review_approve(%s, %s)", (task, note), idempotent=False))
 
@@ -369,8 +365,9 @@ class PostgresStore(NamedReads):
         """The task's agent program could not be started: back to the queue unspent, its lane paused."""
         return str(self._one("select fleet.cannot_start(%s, %s, %s)", (task, token, error), idempotent=False))
 
-    def resume(self, task: int) -> str:
-        return str(self._one("select fleet.resume(%s)", (task,), idempotent=False))
+    def resume(self, task: int, max_cost_usd: float | None = None, max_tokens: int | None = None) -> str:
+        return str(self._one("select fleet.resume(%s, %s::numeric, %s::bigint)", (task, max_cost_usd, max_tokens),
+                             idempotent=False))
 
     def batch_call(self, fn: str, params: dict[str, Any], *, idempotent: bool = False) -> Any:
         """One of the batch functions (:data:`~worker.store.protocol.BATCH_FUNCTIONS`), with named

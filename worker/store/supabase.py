@@ -366,10 +366,6 @@ class SupabaseStore(NamedReads):
         row = self._rpc_rows("task_spend", {"p_task": task})[0]
         return float(row["cost_usd"]), int(row["tokens"])
 
-    def set_task_budget(self, task: int, max_cost_usd: float | None = None, max_tokens: int | None = None) -> str:
-        return str(self._rpc("set_task_budget", {"p_task": task, "p_max_cost_usd": max_cost_usd,
-                                                 "p_max_tokens": max_tokens}))
-
     def review_approve(self, task: int, note: str | None = None) -> str:
         return str(self._rpc("review_approve", {"p_task": task, "p_note": note}, idempotent=False))
 
@@ -429,8 +425,9 @@ class SupabaseStore(NamedReads):
         return str(self._rpc("cannot_start", {"p_task": task, "p_token": str(token), "p_error": error},
                              idempotent=False))
 
-    def resume(self, task: int) -> str:
-        return str(self._rpc("resume", {"p_task": task}, idempotent=False))
+    def resume(self, task: int, max_cost_usd: float | None = None, max_tokens: int | None = None) -> str:
+        return str(self._rpc("resume", {"p_task": task, "p_max_cost_usd": max_cost_usd, "p_max_tokens": max_tokens},
+                             idempotent=False))
 
     def batch_call(self, fn: str, params: dict[str, Any], *, idempotent: bool = False) -> Any:
         """One of the batch functions (:data:`~worker.store.protocol.BATCH_FUNCTIONS`) through PostgREST RPC."""
