@@ -284,6 +284,8 @@ def test_keys_are_per_lane(db_url: str, config: Path, home: Path) -> None:
 
 def test_pools_list_and_clear(db_url: str, config: Path, home: Path) -> None:
     synced_store(db_url, config).close()
+    none = ok(fleet("pools", "list", url=db_url, config=config, cwd=home))
+    assert "fleet.toml's [pools] by" in none, none  # (not taken for a style by the terminal library)
     with psycopg.connect(db_url, autocommit=True) as c:
         c.execute("select fleet.sync_pool('max', 3)")
         c.execute("select fleet.sync_pool('idle', null)")

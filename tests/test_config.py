@@ -4,6 +4,8 @@ clear one-line ConfigError naming the field for every bad value."""
 from __future__ import annotations
 
 import json
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -349,3 +351,26 @@ def test_lane_config_is_validated_on_assignment_too() -> None:
     cfg = FleetConfig.model_validate({"lanes": {"docs": {"command": ["true"]}}})
     with pytest.raises(ValueError):
         cfg.lanes["docs"].max_running = -1
+
+
+# ------------------------------------------------------------------------------------------------
+# the README's examples
+
+
+def _readme_tomls() -> list[tuple[int, str]]:
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return [(text[:m.start()].count("\n") + 2, m.group(1)) for m in re.finditer(r"```toml\n(.*?)```", text, re.S)]
+
+
+@pytest.mark.parametrize(("line", "text"), _readme_tomls(), ids=lambda v: f"line{v}" if isinstance(v, int) else "")
+def test_every_fleet_toml_of_the_readme_loads(tmp_path: Path, line: int, text: str) -> None:
+    """Each ```toml block of README.md, tried word for word: a setting renamed or a lane it names
+    missing fails here. A block that adds settings to a lane shown elsewhere (no command, profile
+    or agent in it) gets the agent the README's first example gives it."""
+    lanes = tomllib.loads(text).get("lanes", {})
+    for name, lane in lanes.items():
+        if not {"command", "profile", "agent"} & lane.keys():
+            text = re.sub(rf"^\[lanes\.{name}\][^\n]*$", lambda m: m.group(0) + '\nagent = "claude"', text, flags=re.M)
+    (tmp_path / "fleet.toml").write_text(text)
+    cfg = load_config(tmp_path / "fleet.toml", environ={})
+    assert set(cfg.lanes) >= set(lanes), f"README.md:{line}"

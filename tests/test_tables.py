@@ -233,6 +233,9 @@ def test_every_table_command_fits_the_terminal(fleet_home: dict[str, Any], width
         assert lines, command
         shown = whole + (KEYS + ids if command[0] in ("tasks",) else [])
         fits(lines, width, shown)
+        if "with --wide" in out:  # what a table says it left out, --wide shows
+            wide = ok(fleet(fleet_home, width, *command, "--wide"))
+            assert "more column" not in wide, (command, wide)
     out = ok(fleet(fleet_home, width, "batch", "show", str(fleet_home["batch"])))
     fits(out.splitlines(), width, ["b1", "b2", "b3", "landed"])
 

@@ -81,7 +81,7 @@ def pools_list(ctx: typer.Context, wide: WideOpt = False, as_json: JsonTablesOpt
         emit_json(rows)
         return
     if not rows:
-        console.print("no pools (they come from fleet.toml's [pools] by `fleet lanes sync`)")
+        console.print(escape("no pools (they come from fleet.toml's [pools] by `fleet lanes sync`)"))
         return
     table = FitTable([Col("pool", "key"), Col("slots", "num"), Col("throttled until", "key"), Col("note", drop=2),
                       Col("set by", drop=1)], title="capacity pools", wide=wide)

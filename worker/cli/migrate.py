@@ -8,8 +8,8 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from worker.cli.context import JsonOpt, console, emit_json, err_console, rt
-from worker.tables import Col, FitTable
+from worker.cli.context import JsonOpt, WideOpt, console, emit_json, err_console, rt
+from worker.tables import Col, FitTable, print_table
 
 lanes_app = typer.Typer(no_args_is_help=True, help="Lanes: sync them from fleet.toml, list them, retire them.")
 
@@ -92,7 +92,7 @@ def lane_state(row: dict[str, Any]) -> str:
 
 
 @lanes_app.command("list")
-def lanes_list(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+def lanes_list(ctx: typer.Context, wide: WideOpt = False, as_json: JsonOpt = False) -> None:
     """The lanes in the database: settings, and whether each is active, paused (and why) or retired."""
     rows = rt(ctx).store().query("list_lanes")
     if as_json:
@@ -100,12 +100,12 @@ def lanes_list(ctx: typer.Context, as_json: JsonOpt = False) -> None:
         return
     table = FitTable([Col("lane", "key"), Col("max_running", "num"), Col("lease_s", "num", 2),
                       Col("max_attempts", "num", 1), Col("max_handoffs", "num", 3), Col("state", "key"),
-                      Col("accepts_from", min_width=16)])
+                      Col("accepts_from", min_width=16)], wide=wide)
     for row in rows:
         table.add_row(escape(row["name"]), str(row["max_running"] if row["max_running"] is not None else "∞"),
                       str(row["lease_seconds"]), str(row["max_attempts"]), str(row["max_handoffs"]),
                       escape(lane_state(row)), escape(", ".join(row["accepts_from"] or [])))
-    console.print(table)
+    print_table(console, table, wide=wide)
 
 
 @lanes_app.command("retire")
