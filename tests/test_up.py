@@ -172,7 +172,9 @@ def test_one_fleet_up_per_directory_db_stop_refuses_and_up_survives_a_restart(pr
         forced = fleet(project, "db", "stop", "--force")
         assert forced.returncode == 0, forced.stderr
         assert forced.stdout.strip() == f"stopped: the embedded database in {pgdata}"
-        wait_for("fleet up to notice", lambda: "database restarting, reconnecting" in out.read_text())
+        # within a call's budget (monitor.cli.run.CALL_BUDGET, 5 s) and a loop's turn, not the five
+        # tries of 10 s of a store without one (the store it synced the lanes with)
+        wait_for("fleet up to notice", lambda: "database restarting, reconnecting" in out.read_text(), timeout=20)
         time.sleep(2)  # a few failed tries (with backoff) while nobody restarts it
         assert up.poll() is None
 

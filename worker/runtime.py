@@ -32,7 +32,7 @@ from worker.store.sync import sync_config
 class Runtime:
     def __init__(self, config_path: Path | None = None) -> None:
         self.config_path = config_path
-        self._store: PostgresStore | None = None
+        self._stores: dict[float | None, PostgresStore] = {}
 
     @cached_property
     def cfg(self) -> FleetConfig:
@@ -114,25 +114,31 @@ class Runtime:
         """Raise unless ``ahead`` is empty (see :func:`worker.db.migrate.refuse_newer`)."""
         refuse_newer(ahead, self.database)
 
-    def store(self, *, check_schema: bool = True, call_budget: float | None = None) -> PostgresStore:
-        """The store (made once). ``call_budget``: see :class:`PostgresStore`.
+    def store(self, *, call_budget: float | None = None) -> PostgresStore:
+        """The store whose calls keep to ``call_budget`` (see :class:`PostgresStore`), made once per
+        budget: a command that synced its lanes through the plain store and then loops on a
+        budgeted one (``fleet up``) gets the budget it asked for, not the first store's.
 
         ``[fleet] store = "supabase"``: a :class:`~worker.store.supabase.SupabaseStore` (the same
         methods over Supabase's REST API; no database URL is used).
         """
-        if self._store is None and self.cfg.fleet.store == "supabase":
+        made = self._stores.get(call_budget)
+        if made is not None:
+            return made
+        check_schema = not self._stores  # (once: the schema is the same for all)
+        if self.cfg.fleet.store == "supabase":
             from worker.store.supabase import SupabaseStore
 
             rest = SupabaseStore.from_config(self.cfg, call_budget=call_budget)
             if check_schema:
                 rest.check_schema()
-            self._store = cast(PostgresStore, rest)  # duck-typed: every method callers use
-        if self._store is None:
+            made = cast(PostgresStore, rest)  # duck-typed: every method callers use
+        else:
             if check_schema:
                 self.check_schema()
-            self._store = PostgresStore.from_config(self.cfg, self.url, call_budget=call_budget,
-                                                    name=self.database)
-        return self._store
+            made = PostgresStore.from_config(self.cfg, self.url, call_budget=call_budget, name=self.database)
+        self._stores[call_budget] = made
+        return made
 
     def check_schema(self) -> None:
         """Refuse to work on a database that lacks migrations this code needs, or that a newer
@@ -159,6 +165,6 @@ class Runtime:
         return preflight(self.cfg, lanes)
 
     def close(self) -> None:
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        for store in self._stores.values():
+            store.close()
+        self._stores.clear()
