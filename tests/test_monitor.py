@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, TypeVar
@@ -426,11 +426,15 @@ def test_fleet_run_launches_shifts_on_cron_and_never_past_max_shifts(make_fleet)
 
 
 def test_fleet_run_for_a_duration(make_fleet):
-    fleet = make_fleet({"docs": lane(cron="0 0 1 1 *")})  # never due during the test
+    fleet = make_fleet({"docs": lane(cron="0 0 1 1 *"), "review": lane()})  # never due during the test
     started = time.monotonic()
     done = fleet.cli("run", "--for", "1s", env=run_env(fleet))
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"launched": {}, "max_concurrent": {}}
+    # it says when each lane's next shift starts, and which lanes it will never start
+    said = " ".join(done.stdout.split())
+    assert f"next shifts: docs at {datetime.now(UTC).year + 1}-01-01 00:00:00 UTC" in said, said
+    assert "no cron, not scheduled: review" in said, said
     assert time.monotonic() - started < 20
 
 

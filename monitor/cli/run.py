@@ -11,6 +11,7 @@ import socket
 import sys
 import threading
 import time
+from datetime import UTC
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -142,8 +143,10 @@ def run(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     scheduler.start()
-    console.print(f"fleet run: lanes {', '.join(scheduled) or 'none scheduled'}; monitor every "
-                  f"{r.cfg.fleet.monitor_every:g}s", highlight=False)
+    unscheduled = [name for name in chosen if name not in scheduled]
+    console.print(f"fleet run: {next_shifts(scheduler, scheduled)}"
+                  + (f"; no cron, not scheduled: {', '.join(unscheduled)}" if unscheduled else "")
+                  + f"; monitor every {r.cfg.fleet.monitor_every:g}s", highlight=False)
     stop.wait(limit)
     # wait for a job under way: a launch finishing after stop_all() would leave its shift behind
     scheduler.shutdown(wait=True)
@@ -151,6 +154,17 @@ def run(
     outage.attempt(lambda: monitor_pass(store, r.cfg))
     # plain print: rich would wrap a long line at the console width and break the JSON
     print(json.dumps({"launched": launcher.launched, "max_concurrent": launcher.max_seen}), flush=True)
+
+
+def next_shifts(scheduler: Any, lanes: list[str]) -> str:
+    """When each scheduled lane's next shift starts (UTC), as `fleet run` says it at its start."""
+    if not lanes:
+        return "no shifts scheduled"
+    due = []
+    for name in lanes:
+        when = scheduler.get_job(f"shift-{name}").next_run_time
+        due.append(f"{name} at {when.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC")
+    return "next shifts: " + ", ".join(due)
 
 
 def crontab(
