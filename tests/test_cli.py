@@ -260,6 +260,23 @@ def test_show_cancel_retry(db_url: str, config: Path, home: Path) -> None:
     assert out.index("enqueued") < out.index("cancelled") < out.index("retried")
 
 
+def test_show_says_a_done_tasks_last_error_is_history(db_url: str, config: Path, home: Path) -> None:
+    with synced_store(db_url, config) as store:
+        task_id, _ = store.enqueue("docs", "flaky", {}, max_attempts=3)
+        session = store.open_session("docs", "host-1", os.getpid(), None, 600)
+        for end in ("fail", "complete"):
+            (task,) = store.claim(session)
+            assert task.lease_token is not None
+            if end == "fail":
+                store.fail(task_id, task.lease_token, "the network went away")
+                with psycopg.connect(db_url, autocommit=True) as c:  # its backoff over
+                    c.execute("update fleet.tasks set run_at = now() where id = %s", (task_id,))
+            else:
+                store.complete(task_id, task.lease_token)
+    out = " ".join(ok(fleet("show", str(task_id), url=db_url, config=config, cwd=home)).split())
+    assert "last error (an earlier attempt's; it is done): the network went away" in out, out
+
+
 def test_keys_are_per_lane(db_url: str, config: Path, home: Path) -> None:
     synced_store(db_url, config).close()
     docs = int(ok(fleet("enqueue", "docs", "--key", "issue:5", url=db_url, config=config, cwd=home)).strip())

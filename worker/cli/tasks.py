@@ -151,7 +151,9 @@ def show(ctx: typer.Context, ref: TaskRef, lane: KeyLaneOpt = None, as_json: Jso
     if task.dead_reason:
         console.print(f"dead: {escape(task.dead_reason)}")
     if task.last_error:
-        console.print(f"last error: {escape(task.last_error)}")
+        # kept after the task went on (the runs below say when): said as history once it is done
+        past = " (an earlier attempt's; it is done)" if task.state == "done" else ""
+        console.print(f"last error{past}: {escape(task.last_error)}")
     if task.agent_session:
         console.print(f"agent session: {escape(task.agent_session)}")
     console.print(f"payload: {escape(json.dumps(task.payload))}")
