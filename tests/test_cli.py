@@ -277,6 +277,14 @@ def test_show_says_a_done_tasks_last_error_is_history(db_url: str, config: Path,
     assert "last error (an earlier attempt's; it is done): the network went away" in out, out
 
 
+def test_lanes_sync_names_pools_and_profiles_as_what_they_are(db_url: str, home: Path) -> None:
+    config = home / "pools.toml"
+    config.write_text('[pools.max]\nslots = 3\n\n[profiles.claude]\nagent = "claude"\npool = "max"\n\n'
+                      '[lanes.docs]\nprofile = "claude"\n')
+    lines = ok(fleet("lanes", "sync", url=db_url, config=config, cwd=home)).splitlines()
+    assert lines[:3] == ["pool max: created", "profile claude: created", "lane docs: created"], lines
+
+
 def test_keys_are_per_lane(db_url: str, config: Path, home: Path) -> None:
     synced_store(db_url, config).close()
     docs = int(ok(fleet("enqueue", "docs", "--key", "issue:5", url=db_url, config=config, cwd=home)).strip())

@@ -42,6 +42,12 @@ def test_mint_a_worker_key(app: typer.Typer) -> None:
     assert claims["exp"] - claims["iat"] == 30 * 86400 and abs(claims["iat"] - time.time()) < 60
     assert claims["sub"].startswith("lanefleet:worker:") and claims["aud"] == "authenticated"
     assert jwt.get_unverified_header(token)["alg"] == "HS256"
+    assert res.stderr.startswith("fleet_worker key for lanes docs, bugfix, valid until "), res.stderr
+    for args, said in ((["--role", "operator"], "fleet_operator key for every lane,"),
+                       (["--role", "worker", "--lane", "*"], "fleet_worker key for every lane,"),
+                       (["--role", "operator", "--lane", "docs"], "fleet_operator key for lane docs,")):
+        res = invoke(app, ["keys", "mint", *args], {"SUPABASE_JWT_SECRET": SECRET})
+        assert res.exit_code == 0 and res.stderr.startswith(said), (args, res.stderr)
 
 
 def test_mint_takes_the_secret_from_the_environment_only(app: typer.Typer) -> None:

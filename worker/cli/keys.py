@@ -32,8 +32,19 @@ def mint(
         return
     print(key)
     info = describe_key(key)
-    print(f"{info['role']} key for lanes {info['lanes']}, valid until {info['expires_at']}; "
+    print(f"{info['role']} key for {_lanes_said(info['lanes'])}, valid until {info['expires_at']}; "
           "it is not stored anywhere: keep it now", file=sys.stderr)
+
+
+def _lanes_said(lanes: list[str] | str | None) -> str:
+    """A key's lanes as a sentence says them: 'every lane', 'lane docs', 'lanes docs, bugfix'."""
+    if isinstance(lanes, str):
+        return lanes  # (describe_key's "every lane")
+    if not lanes:
+        return "no lane"
+    if "*" in lanes:
+        return "every lane"
+    return f"lane{'s' if len(lanes) > 1 else ''} {', '.join(lanes)}"
 
 
 @app.command("inspect")

@@ -71,7 +71,9 @@ def lanes_sync(ctx: typer.Context, as_json: JsonOpt = False) -> None:
         if what == "retired":
             what = (f"retired (it stays so: `fleet lanes unretire {name}`, or retired = false in "
                     f"[lanes.{name}], brings it back)")
-        console.print(f"lane {name}: {escape(what)}", highlight=False, soft_wrap=True)
+        # (the pools' and profiles' names come as "pool NAME", "profile NAME")
+        label = name if name.startswith(("pool ", "profile ")) else f"lane {name}"
+        console.print(f"{escape(label)}: {escape(what)}", highlight=False, soft_wrap=True)
     for name, why in paused.items():
         err_console.print(f"lane {name}: paused: {escape(why)} (fix fleet.toml, then `fleet lanes sync` again)",
                           highlight=False, soft_wrap=True)

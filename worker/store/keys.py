@@ -37,7 +37,7 @@ def jwt_secret(environ: Mapping[str, str] | None = None) -> str:
             return value
     raise ConfigError(
         "no JWT secret: set SUPABASE_JWT_SECRET (or FLEET_JWT_SECRET) in the environment",
-        "Supabase dashboard: Project Settings → API → JWT secret; `fleet dev-stack env` for the local stack",
+        "Supabase dashboard: Project Settings → JWT Keys, the legacy JWT secret; `fleet dev-stack env` for the local stack",
     )
 
 
