@@ -107,10 +107,19 @@ command = ["true"]
         cfg.lane("nope")
 
 
-def test_a_file_without_lanes_keeps_the_example_lanes(tmp_path: Path) -> None:
-    cfg = load_config(write(tmp_path, '[fleet]\nmonitor_every = "1m"\n'), environ={})
-    assert set(cfg.lanes) == {"docs", "bugfix", "review"}
-    assert cfg.fleet.monitor_every == 60.0
+def test_a_file_without_lanes_is_refused_not_given_the_example_lanes(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The example lanes run a scripted agent that fakes its work: a host whose file forgot its
+    lanes would mark real tasks done. Only running without a file gets them."""
+    path = write(tmp_path, '[fleet]\nmonitor_every = "1m"\n')
+    with pytest.raises(ConfigError, match=r"fleet.toml: no lanes: add a \[lanes.NAME\] section"):
+        load_config(path, environ={})
+    # lanes from the environment alone are lanes
+    cfg = load_config(path, environ={"FLEET_LANES__DOCS__COMMAND": '["my-agent"]'})
+    assert set(cfg.lanes) == {"docs"} and cfg.fleet.monitor_every == 60.0
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # no ./fleet.toml, no FLEET_CONFIG: the example lanes
+    assert set(load_config(environ={}).lanes) == {"docs", "bugfix", "review"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -368,6 +377,8 @@ def test_every_fleet_toml_of_the_readme_loads(tmp_path: Path, line: int, text: s
     missing fails here. A block that adds settings to a lane shown elsewhere (no command, profile
     or agent in it) gets the agent the README's first example gives it."""
     lanes = tomllib.loads(text).get("lanes", {})
+    if not lanes:  # a fragment of settings beside the lanes (prices, …): a lane for it to load with
+        text += '\n[lanes.docs]\nagent = "claude"\n'
     for name, lane in lanes.items():
         if not {"command", "profile", "agent"} & lane.keys():
             text = re.sub(rf"^\[lanes\.{name}\][^\n]*$", lambda m: m.group(0) + '\nagent = "claude"', text, flags=re.M)

@@ -2,7 +2,8 @@
 
 The file is found at ``--config``, else ``$FLEET_CONFIG``, else ``./fleet.toml``; with no file at
 all, lanefleet runs with the built-in example lanes (``docs``, ``bugfix``, ``review``) so that
-``fleet up --demo`` works on a fresh clone. The environment overrides the file:
+``fleet up --demo`` works on a fresh clone (a file must name its lanes: the example lanes run a
+scripted agent that fakes its work). The environment overrides the file:
 
 - ``DATABASE_URL`` or ``FLEET_DATABASE__URL``: the database (none: the embedded Postgres);
 - any field as ``FLEET_<SECTION>__<FIELD>``, e.g. ``FLEET_FLEET__WORKSPACES``,
@@ -744,10 +745,14 @@ def load_config(path: Path | str | None = None, environ: dict[str, str] | None =
         source = file.resolve()
     elif explicit:
         raise ConfigError(f"config file {file} does not exist")
-    if not data.get("lanes"):
+    if source is None:
         data["lanes"] = _example_lanes() | dict(data.get("lanes") or {})
     file_data = copy.deepcopy(data)
     made = _env_overrides(data, environ)
+    if source is not None and not data.get("lanes"):
+        # the example lanes run a scripted agent that fakes its work: never a real file's lanes
+        raise ConfigError(f"{file}: no lanes: add a [lanes.NAME] section for each lane this host runs "
+                          "(its agent or command); the example lanes are only for running without a file")
     try:
         cfg = FleetConfig.model_validate({**data, "source": source})
     except ValidationError as exc:
