@@ -180,6 +180,22 @@ def worker_key(cfg: FleetConfig, environ: Mapping[str, str]) -> str:
 SLOT_HELD = 75
 
 
+def require_operator_key(cfg: FleetConfig, environ: Mapping[str, str], command: str) -> None:
+    """On the supabase store, a monitor (``fleet monitor``, ``fleet run``'s) works with an operator
+    key: its repair pass is fleet-wide, which a worker key may not call. Said before anything
+    runs, rather than after a first pass that repaired and then failed."""
+    from worker.store.keys import describe_key
+
+    key = cfg.supabase.key or environ.get("FLEET_KEY")
+    if cfg.fleet.store != "supabase" or not key:
+        return  # (no key: the store says what is missing)
+    role = describe_key(key, environ).get("role")
+    if role not in ("fleet_operator", "service_role"):
+        raise ConfigError(f"`{command}` on the supabase store needs an operator key as [supabase] key (or FLEET_KEY): "
+                          f"its monitor's repair pass is fleet-wide; this is a key for role {role!r}",
+                          "mint one with `fleet keys mint --role operator`")
+
+
 def crontab_lines(cfg: FleetConfig, *, fleet_bin: str, workdir: Path, config: Path | None,
                   lock_dir: Path) -> list[str]:
     """System crontab lines equivalent to ``fleet run``: a shift per lane, the monitor each minute.

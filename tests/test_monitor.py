@@ -439,7 +439,7 @@ def test_fleet_run_for_a_duration(make_fleet):
 
 
 @pytest.mark.parametrize("backend", ["supabase"], indirect=True)
-def test_fleet_run_on_supabase_refuses_without_a_worker_key_for_its_shifts(make_fleet):
+def test_fleet_run_and_monitor_on_supabase_refuse_keys_of_the_wrong_role(make_fleet):
     fleet = make_fleet({"docs": lane(cron="*/2 * * * * *")})
     env = fleet.env("operator")
     missing = fleet.cli("run", "--for", "1s", env=env)
@@ -449,6 +449,17 @@ def test_fleet_run_on_supabase_refuses_without_a_worker_key_for_its_shifts(make_
     assert missing.returncode == 1 and "FLEET_WORKER_KEY" in missing.stderr, missing.stderr
     assert "Traceback" not in missing.stderr
     assert wrong.returncode == 1 and "'fleet_operator', not fleet_worker" in wrong.stderr, wrong.stderr
+    # and a worker key where the monitor's operator key goes: refused before anything runs
+    for command in (["run", "--for", "1s"], ["monitor", "--once"]):
+        as_worker = fleet.cli(*command, env={**run_env(fleet), "FLEET_SUPABASE__KEY": fleet.worker_key})
+        assert as_worker.returncode == 1, as_worker
+        assert f"`fleet {command[0]}` on the supabase store needs an operator key" in as_worker.stderr
+        assert "role 'fleet_worker'" in as_worker.stderr and "Traceback" not in as_worker.stderr, as_worker.stderr
+    # an operator key may not write lanes over the API: said with the way that works
+    env = {k: v for k, v in fleet.env("operator").items() if k != "DATABASE_URL"}
+    synced = fleet.cli("lanes", "sync", env=env)
+    assert synced.returncode == 1 and "permission denied for function sync_" in synced.stderr, synced.stderr
+    assert "with DATABASE_URL set to the project's connection string" in synced.stderr, synced.stderr
     assert fleet.sql("select count(*) as n from fleet.sessions")[0]["n"] == 0
 
 
@@ -526,8 +537,9 @@ def test_crontab_lines_run_as_cron_runs_them_on_a_fresh_host(make_fleet):
                               capture_output=True, text=True, timeout=60)
 
     def hold(slot: int) -> None:  # a shift of the lane that cron started earlier
+        # (-w, not -n: the probe below holds the lock for a moment, and may come first)
         lock = str(folder / f"shift-docs-{slot}.lock")
-        holders.append(subprocess.Popen(["flock", "-n", lock, "sleep", "60"], start_new_session=True))
+        holders.append(subprocess.Popen(["flock", "-w", "10", lock, "sleep", "60"], start_new_session=True))
         wait_for(f"slot {slot} held", lambda: subprocess.run(["flock", "-n", lock, "true"]).returncode != 0)
 
     def sessions() -> list[dict[str, Any]]:
@@ -600,7 +612,8 @@ def test_a_launched_shift_holds_the_slot_the_crontabs_flock_guard_takes(tmp_path
         shift.wait()
         assert guard_gets_the_slot()
         # and the other way: a shift cron started holds the slot against fleet run
-        held = subprocess.Popen(["flock", "-n", slot, "sleep", "60"], start_new_session=True)
+        # (-w, not -n: the guard's probe holds the lock for a moment, and may come first)
+        held = subprocess.Popen(["flock", "-w", "10", slot, "sleep", "60"], start_new_session=True)
         wait_for("cron's shift holding the slot", lambda: not guard_gets_the_slot())
         assert second.launch("docs") is None
         os.killpg(held.pid, signal.SIGKILL)  # flock and its sleep: the group this test started

@@ -23,7 +23,7 @@ from worker.config import FleetConfig, database_origin, load_config
 from worker.db.migrate import MigrateResult, newer, pending, refuse_newer
 from worker.db.migrate import migrate as run_migrations
 from worker.db.url import check_url, redact
-from worker.errors import DatabaseUnavailable, MigrationError
+from worker.errors import ConfigError, DatabaseUnavailable, MigrationError
 from worker.preflight import preflight
 from worker.store.postgres import PostgresStore
 from worker.store.sync import sync_config
@@ -33,6 +33,7 @@ class Runtime:
     def __init__(self, config_path: Path | None = None) -> None:
         self.config_path = config_path
         self._stores: dict[float | None, PostgresStore] = {}
+        self._direct: PostgresStore | None = None  # (sql_store on a supabase host)
 
     @cached_property
     def cfg(self) -> FleetConfig:
@@ -69,8 +70,16 @@ class Runtime:
 
     @cached_property
     def url(self) -> str:
+        """The database's URL; the embedded server's (started when it is down) when none is
+        configured, except on a supabase host, where that would be a database of its own and not
+        the project's: there a command that needs the database itself is refused."""
         if self.cfg.database.url:
             return check_url(self.cfg.database.url, database_origin(self.cfg, os.environ) or "database.url")
+        if self.cfg.fleet.store == "supabase":
+            raise ConfigError(
+                'this command works on the database itself, and store = "supabase" names none (the host '
+                "calls the project's API): set DATABASE_URL to the project's connection string",
+                "Supabase dashboard → Connect: the direct connection or the session pooler on port 5432")
         from worker.db.embedded import embedded_url
 
         with self._on_database():
@@ -140,6 +149,26 @@ class Runtime:
         self._stores[call_budget] = made
         return made
 
+    def sql_store(self) -> PostgresStore:
+        """The store over the database itself, for what only SQL does (the dashboards' reads in one
+        transaction, the lanes' sync, which only the database's owner may write): :meth:`store` on
+        a postgres host; on a supabase host, a direct connection to ``DATABASE_URL`` (an admin's),
+        refused when none is set (:attr:`url`)."""
+        if self.cfg.fleet.store != "supabase":
+            return self.store()
+        if self._direct is None:
+            url = self.url
+            self.check_schema()
+            self._direct = PostgresStore.from_config(self.cfg, url, name=self.database)
+        return self._direct
+
+    def admin_store(self) -> PostgresStore:
+        """The store the config is written through (``fleet lanes sync``, ``fleet migrate``): the
+        database itself (:meth:`sql_store`) whenever a URL is set, since a fleet key, even an
+        operator's, may not write lanes; on a supabase host without one, the host's store (a
+        service_role key may)."""
+        return self.sql_store() if self.cfg.database.url else self.store()
+
     def check_schema(self) -> None:
         """Refuse to work on a database that lacks migrations this code needs, or that a newer
         lanefleet migrated (its functions may no longer be the ones this code calls).
@@ -156,8 +185,9 @@ class Runtime:
         self.refuse_newer(ahead)
 
     def sync_lanes(self, paused: Mapping[str, str | None] | None = None) -> dict[str, str]:
-        """Write the config to the database; ``paused``: the preflight's verdicts (see sync_config)."""
-        store = self.store()
+        """Write the config to the database through :meth:`admin_store`; ``paused``: the
+        preflight's verdicts (see sync_config)."""
+        store = self.admin_store()
         return sync_config(store, self.cfg, paused)
 
     def preflight(self, lanes: Iterable[str] | None = None) -> dict[str, str | None]:
@@ -165,6 +195,7 @@ class Runtime:
         return preflight(self.cfg, lanes)
 
     def close(self) -> None:
-        for store in self._stores.values():
+        for store in [*self._stores.values(), *([self._direct] if self._direct else [])]:
             store.close()
         self._stores.clear()
+        self._direct = None

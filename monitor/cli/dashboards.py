@@ -30,14 +30,14 @@ def status(
     as_json: JsonOpt = False,
 ) -> None:
     """The fleet at a glance: lanes, stuck tasks, active shifts, recent repairs."""
-    from monitor.dashboards.reads import dump, reading, require_postgres, roll_up, status_data
+    from monitor.dashboards.reads import dump, reading, roll_up, status_data
     from monitor.dashboards.terminal import render_status
     from worker.config import flag_duration
 
     every = flag_duration(interval, "--interval")
     if watch and as_json:
         raise InvalidInput("--watch and --json exclude each other (use `fleet snapshot` in a loop)")
-    store = require_postgres(rt(ctx).store())
+    store = rt(ctx).sql_store()
     store.check_lane(lane)
 
     def fetch() -> dict[str, Any]:
@@ -96,7 +96,6 @@ def stats(
         VIEW_DAYS,
         dump,
         reading,
-        require_postgres,
         roll_up,
         stats_data,
     )
@@ -107,7 +106,7 @@ def stats(
     if seconds > VIEW_DAYS * 86400:
         raise InvalidInput(f"--since {since}: at most {VIEW_DAYS}d (usage_by_lane_day keeps the last "
                            f"{VIEW_DAYS} days; for older cohorts call fleet.cohort_metrics() in SQL)")
-    store = require_postgres(rt(ctx).store())
+    store = rt(ctx).sql_store()
     store.check_lane(lane)
     roll_up(store)
     with reading(store) as r:
@@ -129,7 +128,6 @@ def snapshot(
         VIEW_DAYS,
         dump,
         reading,
-        require_postgres,
         roll_up,
         snapshot_data,
     )
@@ -138,7 +136,7 @@ def snapshot(
     seconds = flag_duration(since, "--since")
     if seconds > VIEW_DAYS * 86400:
         raise InvalidInput(f"--since {since}: at most {VIEW_DAYS}d (the views keep the last {VIEW_DAYS} days)")
-    store = require_postgres(rt(ctx).store())
+    store = rt(ctx).sql_store()
     roll_up(store)
     with reading(store) as r:
         data = snapshot_data(r, seconds, limit)
@@ -152,13 +150,13 @@ def report(
     lane: LaneOpt = None,
 ) -> None:
     """A self-contained HTML report with charts (no network needed to view it)."""
-    from monitor.dashboards.reads import reading, report_data, require_postgres, roll_up
+    from monitor.dashboards.reads import reading, report_data, roll_up
     from monitor.dashboards.report import check_out, render_report, write_report
     from worker.config import flag_duration
 
     seconds = flag_duration(since, "--since")
     check_out(out)  # before anything is read or rolled up
-    store = require_postgres(rt(ctx).store())
+    store = rt(ctx).sql_store()
     store.check_lane(lane)
     roll_up(store)
     with reading(store) as r:

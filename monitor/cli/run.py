@@ -52,6 +52,7 @@ def monitor(
     as_json: JsonOpt = False,
 ) -> None:
     """Repair evaporated claims and report stalls and idle capacity (one pass, or --every)."""
+    from monitor.host import require_operator_key
     from monitor.reconcile import monitor_pass
     from worker.config import flag_duration
 
@@ -63,6 +64,7 @@ def monitor(
     # on stderr: structlog's default would print a pass's warnings on stdout, amid the --json
     configure_logging()
     r = rt(ctx)
+    require_operator_key(r.cfg, os.environ, "fleet monitor")
     store = r.store()
     stop = threading.Event()
     if interval:
@@ -98,7 +100,7 @@ def run(
     from apscheduler.schedulers.background import BackgroundScheduler
     from apscheduler.triggers.interval import IntervalTrigger
 
-    from monitor.host import ShiftLauncher, default_lock_dir, shift_env
+    from monitor.host import ShiftLauncher, default_lock_dir, require_operator_key, shift_env
     from monitor.outage import Outage
     from monitor.reconcile import monitor_pass
     from worker.config import cron_trigger, flag_duration
@@ -110,6 +112,7 @@ def run(
     chosen = lanes or sorted(r.cfg.lanes)
     for name in chosen:
         r.cfg.lane(name)
+    require_operator_key(r.cfg, os.environ, "fleet run")
     # calls fail within seconds while the database restarts: the monitor job waits it out
     store = r.store(call_budget=CALL_BUDGET)
     # a lane whose config is wrong on this host is paused with the reason (its shifts claim nothing);

@@ -22,9 +22,8 @@ from uuid import UUID
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from worker.errors import DatabaseUnavailable, FleetError, InvalidInput
+from worker.errors import DatabaseUnavailable, FleetError
 from worker.store.postgres import PostgresStore, translate
-from worker.store.protocol import Store
 from worker.store.reads import load_queries
 
 QUERIES = Path(__file__).with_name("queries.sql")
@@ -55,16 +54,6 @@ class Reader:
         value = self.one("clock")["now"]
         assert isinstance(value, datetime)
         return value
-
-
-def require_postgres(store: Store) -> PostgresStore:
-    """The dashboards read the views in one transaction over a database connection."""
-    if not isinstance(store, PostgresStore):
-        raise InvalidInput(
-            "the dashboards need a database connection (DATABASE_URL); over Supabase's API, read "
-            "the views (fleet.lane_overview, …) with an operator key, or in the SQL editor"
-        )
-    return store
 
 
 def roll_up(store: PostgresStore) -> None:

@@ -61,7 +61,7 @@ def lanes_sync(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     r = rt(ctx)
     reasons = r.preflight()
     result = r.sync_lanes(reasons)
-    rows = r.store().query("list_lanes")
+    rows = r.admin_store().query("list_lanes")
     paused = {name: why for name, why in reasons.items() if why and result.get(name) != "retired"}
     others = [row["name"] for row in rows if row["name"] not in r.cfg.lanes and row["retired_at"] is None]
     if as_json:

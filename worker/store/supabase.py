@@ -73,6 +73,9 @@ from worker.store.protocol import (
 )
 from worker.store.reads import NamedReads
 
+#: the calls that write the config (`fleet lanes sync`): granted to the database's owner alone
+_OWNER_CALLS = frozenset({"sync_lane", "sync_pool", "sync_profile"})
+
 
 class AccessDenied(FleetError):
     """The key was refused: not valid (signature, expiry), or its role may not make this call."""
@@ -164,7 +167,7 @@ class SupabaseStore(NamedReads):
                                             ("SUPABASE_ANON_KEY: the project's anon key", anon)) if not value]
         if missing:
             raise ConfigError(f"store = \"supabase\" needs {', '.join(missing)}",
-                              "mint a fleet key with `fleet keys mint`")
+                              "mint a fleet key with `fleet keys mint`" if not key else None)
         assert url and key and anon
         kwargs.setdefault("max_rows", cfg.supabase.max_rows)
         return cls(url, anon, key, **kwargs)
@@ -180,8 +183,8 @@ class SupabaseStore(NamedReads):
 
     # -- plumbing
 
-    def _error(self, exc: APIError) -> Exception:
-        """The FleetError for a PostgREST error that is not a transient one."""
+    def _error(self, exc: APIError, what: str = "") -> Exception:
+        """The FleetError for a PostgREST error that is not a transient one (``what``: the call)."""
         code = exc.code or ""
         status = getattr(self._status, "code", None)
         message = exc.message or str(exc)
@@ -203,6 +206,9 @@ class SupabaseStore(NamedReads):
                                        "is not exposed in the project's API settings")
         if code == "PGRST106":
             return FleetError(message, "expose schema fleet in the project's API settings")
+        if code == "42501" and what in _OWNER_CALLS:
+            return AccessDenied(message, hint or "no fleet key may write the config: run `fleet lanes sync` (or "
+                                "`fleet migrate`) with DATABASE_URL set to the project's connection string")
         if code == "42501":
             return AccessDenied(message, hint or "this key's role may not make this call: shifts need a worker "
                                 "key, the monitor and operator commands an operator key (`fleet keys mint`)")
@@ -240,7 +246,7 @@ class SupabaseStore(NamedReads):
                         raise _Transient(f"{what}: {status} {exc.message}") from exc
                     raise DatabaseUnavailable(
                         f"the Supabase API at {self.url} answered {status} to {what}, which may have committed") from exc
-                raise self._error(exc) from exc
+                raise self._error(exc, what) from exc
 
         budget = self._budget if self._budget is not None else float("inf")
         tries = 0
