@@ -20,6 +20,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import structlog.testing
 from fleetkit import Backend, Fleet, alive, lane_defaults, pids_using, proc_children, wait_for
 
 from worker.agent.adapters import ADAPTERS
@@ -617,8 +618,13 @@ def test_a_task_routed_from_bugfix_to_review_keeps_its_id_and_stage_history(flee
                                               "route_note": "fixed X"})
     refused = f.enqueue("bugfix", "issue:8", {"steps": 1, "sleep": 0.01, "route": "docs",
                                               "route_note": "nope"}, max_attempts=1)
-    summary = f.run_shift("bugfix")
+    with structlog.testing.capture_logs() as logs:
+        summary = f.run_shift("bugfix")
     assert summary.outcomes == {"routed": 1, "failed": 1}
+    # the shift's log says what the database did: one route, one refusal (never "routed" for both)
+    said = [(e["event"], e.get("task")) for e in logs if "rout" in e["event"] or "refused" in e["event"]]
+    assert [e for e, _ in said].count("routed") == 1, said
+    assert ("final call refused by the database: the attempt failed instead", refused) in said, said
     t = f.task(task_id)
     assert (t["lane"], t["state"], t["attempts"]) == ("review", "queued", 0)
 

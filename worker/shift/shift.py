@@ -755,8 +755,11 @@ class Shift:
             self.pending[task_id] = (fn, outcome)
             return None
         except FleetError as exc:
-            if refused is not None:
-                return self._call(task_id, refused(exc), "failed", retry=retry)
+            if refused is not None:  # said here: the caller hears None, as for any call not made
+                instead = self._call(task_id, refused(exc), "failed", retry=retry)
+                self.log.warning("final call refused by the database: the attempt failed instead", task=task_id,
+                                 outcome=outcome, error=str(exc), state=instead)
+                return None
             self.log.error("final call refused by the database", task=task_id, outcome=outcome, error=str(exc))
             self.count("refused")
             return None
