@@ -433,7 +433,7 @@ def test_fleet_run_for_a_duration(make_fleet):
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"launched": {}, "max_concurrent": {}}
     # it says when each lane's next shift starts, and which lanes it will never start
     said = " ".join(done.stdout.split())
-    assert f"next shifts: docs at {datetime.now(UTC).year + 1}-01-01 00:00:00 UTC" in said, said
+    assert f"next shifts: docs at {datetime.now(UTC).year + 1}-01-01T00:00:00Z" in said, said
     assert "no cron, not scheduled: review" in said, said
     assert time.monotonic() - started < 20
 

@@ -166,7 +166,7 @@ def next_shifts(scheduler: Any, lanes: list[str]) -> str:
     due = []
     for name in lanes:
         when = scheduler.get_job(f"shift-{name}").next_run_time
-        due.append(f"{name} at {when.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC")
+        due.append(f"{name} at {when.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ}")  # (no space: never wrapped apart)
     return "next shifts: " + ", ".join(due)
 
 

@@ -83,15 +83,19 @@ def test_inspect(app: typer.Typer) -> None:
     assert (info["role"], info["lanes"], info["expired"], info["signature"]) == (
         "fleet_worker", ["docs"], False, "not checked")
     assert 3500 < info["seconds_left"] <= 3600
-    info = json.loads(invoke(app, ["keys", "inspect", token, "--json"], {"SUPABASE_JWT_SECRET": SECRET}).stdout)
-    assert info["signature"] == "valid"
-    info = json.loads(invoke(app, ["keys", "inspect", token, "--json"], {"SUPABASE_JWT_SECRET": "x" * 40}).stdout)
-    assert info["signature"] == "invalid"
+    assert res.exit_code == 0
+    res = invoke(app, ["keys", "inspect", token, "--json"], {"SUPABASE_JWT_SECRET": SECRET})
+    assert json.loads(res.stdout)["signature"] == "valid" and res.exit_code == 0
+    # a key that would be refused: said, and exit 1 (a script may ask first)
+    res = invoke(app, ["keys", "inspect", token, "--json"], {"SUPABASE_JWT_SECRET": "x" * 40})
+    assert json.loads(res.stdout)["signature"] == "invalid" and res.exit_code == 1
     old = keys.mint_key(SECRET, "operator", None, 1, now=time.time() - 100)
-    info = json.loads(invoke(app, ["keys", "inspect", old, "--json"]).stdout)
-    assert info["expired"] is True and info["lanes"] == "every lane"
+    res = invoke(app, ["keys", "inspect", old, "--json"])
+    info = json.loads(res.stdout)
+    assert info["expired"] is True and info["lanes"] == "every lane" and res.exit_code == 1
     plain = invoke(app, ["keys", "inspect", token])
-    assert "fleet_worker" in plain.stdout and "docs" in plain.stdout
+    assert "fleet_worker" in plain.stdout and plain.exit_code == 0
+    assert "lanes         lane docs\n" in plain.stdout, plain.stdout  # a sentence, not a Python list
     bad = invoke(app, ["keys", "inspect", "not.a.jwt"])
     assert isinstance(bad.exception, InvalidInput)
 

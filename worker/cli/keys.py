@@ -52,7 +52,8 @@ def inspect(
     key: Annotated[str | None, typer.Argument(help="the key (default: read from stdin)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """Show a key's role, lanes and expiry (and check its signature if the secret is in the environment)."""
+    """Show a key's role, lanes and expiry (and check its signature if the secret is in the environment);
+    exit 1 when the key has expired or its signature is invalid."""
     from worker.store.keys import describe_key
 
     text = key if key is not None else sys.stdin.read()
@@ -61,6 +62,10 @@ def inspect(
     info = describe_key(text)
     if as_json:
         print(json.dumps(info, indent=2))
-        return
-    for name, value in info.items():
-        print(f"{name:13} {value if value is not None else '-'}")
+    else:
+        for name, value in info.items():
+            shown = _lanes_said(value) if name == "lanes" else value
+            print(f"{name:13} {shown if shown is not None else '-'}")
+    # exit 1 for a key that would be refused: a script can ask `fleet keys inspect` first
+    if info["signature"] == "invalid" or info["expired"]:
+        raise typer.Exit(1)
