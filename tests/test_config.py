@@ -385,3 +385,16 @@ def test_every_fleet_toml_of_the_readme_loads(tmp_path: Path, line: int, text: s
     (tmp_path / "fleet.toml").write_text(text)
     cfg = load_config(tmp_path / "fleet.toml", environ={})
     assert set(cfg.lanes) >= set(lanes), f"README.md:{line}"
+
+
+def test_env_settings_leaves_out_a_fallback_the_file_already_sets(tmp_path: Path) -> None:
+    """`fleet crontab` warns of the settings cron would not see: SUPABASE_URL is one only while
+    the file leaves [supabase] url out (else it is never read)."""
+    from worker.config import env_settings
+
+    environ = {"SUPABASE_URL": "http://env", "FLEET_KEY": "k", "DATABASE_URL": "postgresql://x/y"}
+    bare = load_config(write(tmp_path, DOCS), environ={})
+    assert env_settings(environ, bare) == ["DATABASE_URL", "FLEET_KEY", "SUPABASE_URL"]
+    (tmp_path / "set").mkdir()
+    sets = load_config(write(tmp_path / "set", '[supabase]\nurl = "http://file"\n' + DOCS), environ={})
+    assert env_settings(environ, sets) == ["DATABASE_URL", "FLEET_KEY"]

@@ -645,11 +645,18 @@ ENV_SETTINGS = ("DATABASE_URL", "SUPABASE_URL", "SUPABASE_ANON_KEY", "FLEET_KEY"
                 "PGSERVICEFILE", "PGSSLMODE", "PGSSLROOTCERT", "PGSSLCERT", "PGSSLKEY", "PGOPTIONS")
 
 
-def env_settings(environ: Mapping[str, str]) -> list[str]:
+#: the Supabase names read only when the config leaves its field out (worker.store.supabase)
+_FALLBACKS = {"SUPABASE_URL": "url", "SUPABASE_ANON_KEY": "anon_key", "FLEET_KEY": "key", "FLEET_WORKER_KEY": "worker_key"}
+
+
+def env_settings(environ: Mapping[str, str], cfg: FleetConfig | None = None) -> list[str]:
     """The names of the set environment variables that change what ``fleet`` does with a config:
-    what a process started with another environment (cron's) would not see."""
+    what a process started with another environment (cron's) would not see. With ``cfg``, not a
+    fallback whose field the config already sets (it is not read)."""
     overrides = [k for k in environ if _override_path(k)]
-    return sorted(set(overrides) | {k for k in ENV_SETTINGS if environ.get(k)})
+    used = {k for k in ENV_SETTINGS if environ.get(k)
+            and not (cfg is not None and k in _FALLBACKS and getattr(cfg.supabase, _FALLBACKS[k], None))}
+    return sorted(set(overrides) | used)
 
 
 def _override_path(key: str) -> list[str] | None:

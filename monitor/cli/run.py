@@ -183,7 +183,7 @@ def crontab(
     folder = lock_dir.resolve() if lock_dir else default_lock_dir(r.cfg)
     # cron starts its jobs with an environment of its own: what this one sets, they would not see
     # (a DATABASE_URL only here, and the shifts would run on the embedded database instead)
-    unseen = env_settings(os.environ)
+    unseen = env_settings(os.environ, r.cfg)
     if unseen:
         names = ", ".join(unseen)
         err_console.print(f"warning: this config also comes from the environment ({names}), which cron does not "
