@@ -73,6 +73,12 @@ def test_down_stops_by_pid_and_up_restarts_on_the_same_data(worker_id: str) -> N
         assert devstack.down(home) is True
         assert not any(devstack._alive(p) for p in pids.values() if p is not None)
         assert not DevStack.load(home.resolve()).running()  # type: ignore[union-attr]
+        root = typer.Typer()
+        root.callback()(lambda: None)
+        root.add_typer(devstack_cli.app, name="dev-stack")
+        out = CliRunner().invoke(root, ["dev-stack", "env", "--home", str(home)])
+        assert out.exit_code == 0 and "export SUPABASE_URL=" in out.stdout  # (kept until --purge)
+        assert "is not running: `fleet dev-stack up` starts it again" in " ".join(out.stderr.split()), out.stderr
 
         again = devstack.up(home, cache=CACHE)
         assert again.jwt_secret == stack.jwt_secret and again.anon_key == stack.anon_key

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from worker.cli.context import rt
+from worker.cli.context import err_console, rt
 
 app = typer.Typer(no_args_is_help=True,
                   help="A local Supabase-compatible stack (PostgreSQL + PostgREST 12 + a /rest/v1 gateway).")
@@ -76,3 +76,6 @@ def env_command(
         return
     for k, v in stack.env().items():
         print(f"export {k}={shlex.quote(v)}")
+    if not stack.running():  # (the exports still print: its data is kept until `down --purge`)
+        err_console.print(f"warning: the dev stack in {where} is not running: `fleet dev-stack up` starts it again",
+                          highlight=False, soft_wrap=True)
