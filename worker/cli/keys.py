@@ -52,8 +52,7 @@ def inspect(
     key: Annotated[str | None, typer.Argument(help="the key (default: read from stdin)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """Show a key's role, lanes and expiry (and check its signature if the secret is in the environment);
-    exit 1 when the key has expired or its signature is invalid."""
+    """Show a key's role, lanes, expiry and (with the secret set) signature; exit 1 if expired or invalid."""
     from worker.store.keys import describe_key
 
     text = key if key is not None else sys.stdin.read()
