@@ -26,10 +26,11 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 
-from worker.config import FleetConfig, cron_trigger
+from worker.config import FleetConfig, cron_trigger, supabase_setting
 from worker.errors import ConfigError
 
 log = structlog.get_logger("lanefleet.host")
@@ -162,38 +163,40 @@ def shift_env(cfg: FleetConfig, url: str | None, config_path: Path | None) -> di
 def worker_key(cfg: FleetConfig, environ: Mapping[str, str]) -> str:
     """The worker key a host hands the shifts it launches on the Supabase store; a clear error when
     there is none or it is not a worker's."""
-    from worker.store.keys import describe_key
-
-    key = cfg.supabase.worker_key or environ.get("FLEET_WORKER_KEY")
+    key = supabase_setting(cfg, "worker_key", environ)
     if not key:
         raise ConfigError("`fleet run` on the supabase store needs [supabase] worker_key (or FLEET_WORKER_KEY): "
                           "the worker key its shifts use; [supabase] key (or FLEET_KEY) is the operator key of its monitor",
                           "mint one with `fleet keys mint --role worker --lane L ...`")
-    role = describe_key(key, environ).get("role")
+    role = _role(key, environ)
     if role != "fleet_worker":
         raise ConfigError(f"[supabase] worker_key (or FLEET_WORKER_KEY) is a key for role {role!r}, not fleet_worker",
                           "mint one with `fleet keys mint --role worker --lane L ...`")
     return key
 
 
-#: flock's exit code when the lock is held (EX_TEMPFAIL), told apart from a shift's own exit codes
-SLOT_HELD = 75
-
-
 def require_operator_key(cfg: FleetConfig, environ: Mapping[str, str], command: str) -> None:
     """On the supabase store, a monitor (``fleet monitor``, ``fleet run``'s) works with an operator
     key: its repair pass is fleet-wide, which a worker key may not call. Said before anything
     runs, rather than after a first pass that repaired and then failed."""
-    from worker.store.keys import describe_key
-
-    key = cfg.supabase.key or environ.get("FLEET_KEY")
+    key = supabase_setting(cfg, "key", environ)
     if cfg.fleet.store != "supabase" or not key:
         return  # (no key: the store says what is missing)
-    role = describe_key(key, environ).get("role")
+    role = _role(key, environ)
     if role not in ("fleet_operator", "service_role"):
         raise ConfigError(f"`{command}` on the supabase store needs an operator key as [supabase] key (or FLEET_KEY): "
                           f"its monitor's repair pass is fleet-wide; this is a key for role {role!r}",
                           "mint one with `fleet keys mint --role operator`")
+
+
+def _role(key: str, environ: Mapping[str, str]) -> Any:
+    from worker.store.keys import describe_key
+
+    return describe_key(key, environ).get("role")
+
+
+#: flock's exit code when the lock is held (EX_TEMPFAIL), told apart from a shift's own exit codes
+SLOT_HELD = 75
 
 
 def crontab_lines(cfg: FleetConfig, *, fleet_bin: str, workdir: Path, config: Path | None,

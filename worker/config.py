@@ -645,8 +645,15 @@ ENV_SETTINGS = ("DATABASE_URL", "SUPABASE_URL", "SUPABASE_ANON_KEY", "FLEET_KEY"
                 "PGSERVICEFILE", "PGSSLMODE", "PGSSLROOTCERT", "PGSSLCERT", "PGSSLKEY", "PGOPTIONS")
 
 
-#: the Supabase names read only when the config leaves its field out (worker.store.supabase)
-_FALLBACKS = {"SUPABASE_URL": "url", "SUPABASE_ANON_KEY": "anon_key", "FLEET_KEY": "key", "FLEET_WORKER_KEY": "worker_key"}
+#: ``[supabase]`` field → the Supabase-style name read only when the config leaves the field out
+SUPABASE_FALLBACKS = {"url": "SUPABASE_URL", "anon_key": "SUPABASE_ANON_KEY", "key": "FLEET_KEY",
+                      "worker_key": "FLEET_WORKER_KEY"}
+
+
+def supabase_setting(cfg: FleetConfig, field: str, environ: Mapping[str, str]) -> str | None:
+    """``[supabase] <field>`` (FLEET_SUPABASE__<FIELD> included), else its fallback variable."""
+    value: str | None = getattr(cfg.supabase, field) or environ.get(SUPABASE_FALLBACKS[field])
+    return value
 
 
 def env_settings(environ: Mapping[str, str], cfg: FleetConfig | None = None) -> list[str]:
@@ -654,8 +661,8 @@ def env_settings(environ: Mapping[str, str], cfg: FleetConfig | None = None) -> 
     what a process started with another environment (cron's) would not see. With ``cfg``, not a
     fallback whose field the config already sets (it is not read)."""
     overrides = [k for k in environ if _override_path(k)]
-    used = {k for k in ENV_SETTINGS if environ.get(k)
-            and not (cfg is not None and k in _FALLBACKS and getattr(cfg.supabase, _FALLBACKS[k], None))}
+    read_instead = {SUPABASE_FALLBACKS[f] for f in SUPABASE_FALLBACKS if cfg is not None and getattr(cfg.supabase, f)}
+    used = {k for k in ENV_SETTINGS if environ.get(k) and k not in read_instead}
     return sorted(set(overrides) | used)
 
 

@@ -22,6 +22,7 @@ def web(
     """The live console: lanes, pools, tasks, the queues to act on, batches, repairs, cohorts."""
     from monitor.web.app import Console, server
     from monitor.web.auth import Access, is_loopback, parse_bind
+    from worker.config import supabase_setting
     from worker.errors import ConfigError
     from worker.store.supabase import SupabaseStore
 
@@ -38,13 +39,12 @@ def web(
     access = Access(backend=cfg.fleet.store, loopback=is_loopback(host), read_only=read_only, token=token)
     access.check_start()  # before any connection: a refused start changes nothing
     if cfg.fleet.store == "supabase":
-        url = cfg.supabase.url or os.environ.get("SUPABASE_URL")
-        anon = cfg.supabase.anon_key or os.environ.get("SUPABASE_ANON_KEY")
+        url, anon = supabase_setting(cfg, "url", os.environ), supabase_setting(cfg, "anon_key", os.environ)
         if not url or not anon:
             raise ConfigError("store = \"supabase\" needs [supabase] url (or SUPABASE_URL) and the anon key "
                               "(SUPABASE_ANON_KEY)")
         access.rest = (url, anon)
-        if access.loopback and (cfg.supabase.key or os.environ.get("FLEET_KEY")):
+        if access.loopback and supabase_setting(cfg, "key", os.environ):
             rest = runtime.store()
             assert isinstance(rest, SupabaseStore)
             access.host_store = rest

@@ -53,7 +53,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from worker.config import FleetConfig
+from worker.config import FleetConfig, supabase_setting
 from worker.errors import (
     SQLSTATE_ERRORS,
     ConfigError,
@@ -159,9 +159,7 @@ class SupabaseStore(NamedReads):
         """From ``[supabase] url / key`` (or FLEET_SUPABASE__URL / __KEY), falling back to
         SUPABASE_URL and FLEET_KEY; the anon key from ``[supabase] anon_key`` or SUPABASE_ANON_KEY."""
         env = os.environ if environ is None else environ
-        url = cfg.supabase.url or env.get("SUPABASE_URL")
-        key = cfg.supabase.key or env.get("FLEET_KEY")
-        anon = getattr(cfg.supabase, "anon_key", None) or env.get("SUPABASE_ANON_KEY")
+        url, key, anon = (supabase_setting(cfg, f, env) for f in ("url", "key", "anon_key"))
         missing = [name for name, value in (("[supabase] url (or SUPABASE_URL)", url),
                                             ("[supabase] key (or FLEET_KEY): the host's fleet key", key),
                                             ("SUPABASE_ANON_KEY: the project's anon key", anon)) if not value]
