@@ -4,6 +4,7 @@ real shifts running the scripted agent against a real database, on both back-end
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -153,8 +154,10 @@ def test_a_budget_crossed_mid_run_stops_the_agent_and_blocks_the_task(rails) -> 
 
     row = fleet.task(task)
     assert (row["state"], row["block_reason"], row["failures"]) == ("blocked", "budget", 0)
-    assert "12,000 budget" in row["last_error"]
     run = fleet.runs(task)[0]
+    # the cost is said only when the agent reported one: no "($0.0000)" for an unpriced agent
+    priced = rf" \(\${float(run['cost_usd']):.4f}\)" if run["cost_usd"] else ""
+    assert re.fullmatch(rf"spent [\d,]+ tokens of the task's 12,000 budget{priced}", row["last_error"]), row
     streamed = run["input_tokens"] + run["output_tokens"]
     assert 12000 <= streamed < 40 * 5000, run  # what it streamed before it was stopped, counted
     assert time.monotonic() - started < 40 * 0.2, "the agent ran to its end"

@@ -324,8 +324,10 @@ begin
         return format('spent $%s of the task''s $%s budget (%s tokens)', to_char(v_spent_cost, 'FM999999990.0000'),
                       to_char(v_cost, 'FM999999990.0000'), to_char(v_spent_tokens, 'FM999,999,999,999,990'));
     elsif v_spent_tokens >= v_tokens then
-        return format('spent %s tokens of the task''s %s budget ($%s)', to_char(v_spent_tokens, 'FM999,999,999,999,990'),
-                      to_char(v_tokens, 'FM999,999,999,999,990'), to_char(v_spent_cost, 'FM999999990.0000'));
+        -- the cost only when one is known: an agent that reports no price (Codex) spent no known $0
+        return format('spent %s tokens of the task''s %s budget%s', to_char(v_spent_tokens, 'FM999,999,999,999,990'),
+                      to_char(v_tokens, 'FM999,999,999,999,990'),
+                      case when v_spent_cost > 0 then format(' ($%s)', to_char(v_spent_cost, 'FM999999990.0000')) end);
     end if;
     return null;
 end

@@ -40,7 +40,9 @@ def over_budget(budget: tuple[float | None, int | None], cost: float, tokens: in
     if max_cost is not None and cost >= max_cost:
         return f"spent ${cost:.4f} of the task's ${max_cost:.4f} budget ({tokens:,} tokens)"
     if max_tokens is not None and tokens >= max_tokens:
-        return f"spent {tokens:,} tokens of the task's {max_tokens:,} budget (${cost:.4f})"
+        # an agent that reports tokens but no price (Codex, a scripted agent) spent no known cost
+        priced = f" (${cost:.4f})" if cost > 0 else ""
+        return f"spent {tokens:,} tokens of the task's {max_tokens:,} budget{priced}"
     return None
 
 
