@@ -126,6 +126,10 @@ MISTAKES = [
             env={"DATABASE_URL": "{db}"}, config="typo.toml"),
     Mistake("file-section-typo", ["tasks"], ["unknown field 'fleeet' (did you mean 'fleet'?)"],
             env={"DATABASE_URL": "{db}"}, config="section-typo.toml"),
+    # a key minted for a lane the fleet.toml here does not name would claim nothing
+    Mistake("mint-unknown-lane", ["keys", "mint", "--role", "worker", "--lane", "doc"],
+            ["--lane 'doc' is not a lane of {home}/fleet.toml", "its lanes: docs"],
+            env={"SUPABASE_JWT_SECRET": "s" * 40}, unexpected=["eyJ"]),
     # a key of only digits is named key:17; an unknown one says it looked for a key
     Mistake("show-key-prefix-unknown", ["show", "key:424242"], ["no task with key '424242'"],
             env={"DATABASE_URL": "{db}"}),

@@ -63,14 +63,21 @@ def root_callback(ctx: typer.Context, config: ConfigOpt = None, show_version: Ve
     ctx.obj = _Unmade(config)
 
 
+def config_path(ctx: typer.Context) -> Path | None:
+    """The fleet.toml the command was given (--config, FLEET_CONFIG), None for the default."""
+    root = ctx.find_root()
+    if isinstance(root.obj, _Unmade):
+        return root.obj.config
+    return root.obj.config_path if root.obj is not None else None
+
+
 def rt(ctx: typer.Context) -> Runtime:
     """The command's Runtime, made at the first call (and closed when the command ends)."""
     from worker.runtime import Runtime
 
     root = ctx.find_root()
     if not isinstance(root.obj, Runtime):
-        config = root.obj.config if isinstance(root.obj, _Unmade) else None
-        root.obj = Runtime(config)
+        root.obj = Runtime(config_path(ctx))
         root.call_on_close(root.obj.close)
     return root.obj
 

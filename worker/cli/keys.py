@@ -8,13 +8,14 @@ from typing import Annotated
 
 import typer
 
-from worker.errors import InvalidInput
+from worker.errors import InvalidInput, UnknownLane
 
 app = typer.Typer(no_args_is_help=True, help="Keys: mint lane-scoped JWTs for hosts that use Supabase's API.")
 
 
 @app.command("mint")
 def mint(
+    ctx: typer.Context,
     role: Annotated[str, typer.Option("--role", help="worker (shifts) or operator (enqueue, cancel, retry, monitor, reads)")],
     lanes: Annotated[list[str] | None, typer.Option("--lane", "-l", help="a lane the key may work (repeatable; '*' for every lane)")] = None,
     ttl: Annotated[str, typer.Option("--ttl", help="lifetime: 30d, 12h, 90m, ...")] = "30d",
@@ -26,6 +27,7 @@ def mint(
     from worker.store.keys import describe_key, jwt_secret, mint_key
 
     seconds = flag_duration(ttl, "--ttl")
+    _check_lanes(ctx, lanes or [])
     key = mint_key(jwt_secret(), role, lanes, seconds, subject=subject)
     if as_json:
         print(json.dumps({"key": key, **describe_key(key)}, indent=2))
@@ -34,6 +36,29 @@ def mint(
     info = describe_key(key)
     print(f"{info['role']} key for {_lanes_said(info['lanes'])}, valid until {info['expires_at']}; "
           "it is not stored anywhere: keep it now", file=sys.stderr)
+
+
+def _check_lanes(ctx: typer.Context, lanes: list[str]) -> None:
+    """Refuse a lane the fleet.toml here does not name: a key for a misspelt lane claims nothing.
+
+    A mint touches no database, so the file is what can tell; with no file (a key minted away from
+    any host's config) every name is taken as given.
+    """
+    from worker.cli.context import config_path
+    from worker.config import load_config
+
+    named = [lane for lane in lanes if lane != "*"]
+    if not named:
+        return
+    cfg = load_config(config_path(ctx))
+    if cfg.source is None:
+        return
+    unknown = [lane for lane in named if lane not in cfg.lanes]
+    if unknown:
+        raise UnknownLane(
+            f"--lane {unknown[0]!r} is not a lane of {cfg.source}",
+            f"its lanes: {', '.join(sorted(cfg.lanes))}; mint beside the fleet.toml that names the lane, "
+            "or give that file with fleet --config FILE")
 
 
 def _lanes_said(lanes: list[str] | str | None) -> str:
