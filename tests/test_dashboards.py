@@ -341,7 +341,9 @@ def test_stats_json(db_url: str, home: Path, world: dict[str, Any]) -> None:
 
 def test_stats_table_and_refusals(db_url: str, home: Path, world: dict[str, Any]) -> None:
     out = ok(run_fleet("stats", url=db_url, home=home))
-    for text in ("usage since", "docs", "review", "cache-read share", "cohort: tasks queued since", "all lanes"):
+    # each table says which lane a routed task counts in (they differ)
+    for text in ("usage since", "docs", "review", "cache-read share", "cohort: tasks queued since", "all lanes",
+                 "done: tasks or stages finished in the lane", "each task in the lane it entered by"):
         assert text in out, f"{text!r} missing from:\n{out}"
     refused(run_fleet("stats", "--since", "45d", url=db_url, home=home), "at most 30d")
     refused(run_fleet("stats", "--since", "a while", url=db_url, home=home), "--since")

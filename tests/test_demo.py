@@ -88,6 +88,7 @@ def test_each_demo_prints_one_summary_of_its_own_run(db_url: str, tmp_path: Path
         # its own five docs tasks: four done, the one that always fails dead (not the totals of both runs)
         assert docs[1:5] == ["4", "done,", "1", "dead"], out
         assert "demo finished in" in out and "7 done, 1 dead" in out, out
+        assert "tasks in their lane now, tokens in the lane that spent them" in out, out
 
 
 def test_the_demo_refuses_a_config_without_its_lanes(db_url: str, tmp_path: Path) -> None:

@@ -209,7 +209,8 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> FitTable:
 
     table = FitTable([Col("lane", "key"), Col("tasks", min_width=14), Col("retries", "num", 2),
                       Col("hand-offs", "num", 1), Col("tokens", "num"), Col("cost", "num")],
-                     title=title, table_box=box.SIMPLE_HEAD, hint=None)
+                     title=title, table_box=box.SIMPLE_HEAD, hint=None,
+                     caption="tasks in their lane now, tokens in the lane that spent them")
     for row in rows:
         states = ", ".join(f"{row[s]} {s}" for s in TASK_STATES if row[s]) or "none"
         table.add_row(escape(row["lane"]), states, str(row["retries"]), str(row["handoffs"]), fmt_num(row["tokens"]),

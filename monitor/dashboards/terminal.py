@@ -162,7 +162,9 @@ def _usage_row(row: dict[str, Any], day: str, lane: str) -> list[str]:
 
 def render_stats(data: dict[str, Any], wide: bool = False) -> RenderableType:
     since: datetime = data["since"]
-    usage = FitTable(_USAGE, title=f"usage since {since:%Y-%m-%d %H:%M} UTC", wide=wide)
+    # the three tables count a routed task differently: say how, where a number is read
+    usage = FitTable(_USAGE, title=f"usage since {since:%Y-%m-%d %H:%M} UTC", wide=wide,
+                     caption="done: tasks or stages finished in the lane")
     for row in data["usage"]:
         usage.add_row(*_usage_row(row, str(row["day"]), escape(row["lane"])))
     # a lane's total where it has more than one day, and the fleet's over more than one row: a
@@ -184,7 +186,8 @@ def render_stats(data: dict[str, Any], wide: bool = False) -> RenderableType:
                        Col("failures", "num", 3), Col("hand-offs", "num", 4), Col("repairs", "num", 4),
                        Col("tokens/done", "num", 2), Col("cost/done", "num", 1),
                        Col("interventions", drop=5, min_width=14)],
-                      title=f"cohort: tasks queued since {since:%Y-%m-%d %H:%M} UTC", wide=wide)
+                      title=f"cohort: tasks queued since {since:%Y-%m-%d %H:%M} UTC", wide=wide,
+                      caption="each task in the lane it entered by")
     rows = [data["cohort"], *data["cohort_by_lane"]]
     for row in rows:
         if not row:
