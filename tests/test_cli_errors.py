@@ -327,6 +327,8 @@ def test_every_help_text_renders_as_written() -> None:
         result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "100"})
         assert result.exit_code == 0, (path, result.output)
         assert "`" not in result.output, (path, [line for line in result.output.splitlines() if "`" in line])
+        # a flag takes no value: no "<bool>" beside it (typer's rich help shows one)
+        assert "<bool>" not in result.output, (path, [line for line in result.output.splitlines() if "<bool>" in line])
         if not path:
             continue
         texts = [cmd.help or ""] + [getattr(p, "help", None) or "" for p in cmd.params]

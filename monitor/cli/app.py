@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import typer
+import typer.core
 from rich.markup import escape
 
 from monitor.cli import dashboards, run, web, workspaces
@@ -32,6 +34,16 @@ from worker.cli import (
 )
 from worker.cli.context import err_console, root_callback
 from worker.errors import FleetError
+
+
+def _flag_type_shown(self: typer.core.TyperOption, ctx: Any) -> str | None:
+    """An option's type in the help, none for a flag: typer's rich help (0.29) shows ``<bool>``
+    beside ``--wide``, as if it took a value; its plain help already leaves a flag's type out."""
+    return None if self.is_flag else _option_type_shown(self, ctx)
+
+
+_option_type_shown = typer.core.TyperOption.display_type_rich
+typer.core.TyperOption.display_type_rich = _flag_type_shown  # type: ignore[method-assign]
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="lanefleet: a Postgres-backed, multi-lane task queue for fleets of agent workers.")
