@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import psycopg
@@ -61,6 +62,18 @@ def test_env_file_and_reuse(supabase_stack: DevStack) -> None:
     out = CliRunner().invoke(root, ["dev-stack", "env", "--home", str(s.home)])
     assert f"export SUPABASE_URL={s.url}" in out.stdout
 
+    # `up` finds it running and says where everything is, a line each that fits 80 columns (a
+    # path that does not fit aside), with a line to paste that loads the environment
+    out = CliRunner().invoke(root, ["dev-stack", "up", "--home", str(s.home), "--no-sync"])
+    assert out.exit_code == 0, out.output
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"dev stack up: API {s.url}/rest/v1/ (schema fleet)", lines
+    assert [line for line in lines if len(line) > 80 and str(s.env_file) not in line] == [], lines
+    load = next(line for line in lines if line.startswith("load it:")).split(":", 1)[1].strip()
+    shown = subprocess.run(["bash", "-c", f"{load}; echo $SUPABASE_URL"], capture_output=True, text=True,
+                           env={"PATH": os.environ["PATH"]}, timeout=30)
+    assert shown.stdout.strip() == s.url, (load, shown)
+
 
 def test_down_stops_by_pid_and_up_restarts_on_the_same_data(worker_id: str) -> None:
     home = stack_home(worker_id, "-lifecycle")
@@ -92,7 +105,6 @@ def test_down_stops_by_pid_and_up_restarts_on_the_same_data(worker_id: str) -> N
 
 def test_a_pid_reused_by_another_program_is_left_alone(worker_id: str) -> None:
     """down() signals a recorded pid only while it still runs what the stack started."""
-    import subprocess
     import sys
 
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

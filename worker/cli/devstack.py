@@ -40,9 +40,21 @@ def up_command(
     if sync:
         with PostgresStore(stack.db_url, max_size=1) as store:
             sync_config(store, rt(ctx).cfg)
-    print(f"dev stack up: API {stack.url}/rest/v1/ (schema fleet), database {stack.db_url.split('@')[1]}")
-    print(f"environment: {stack.env_file}  (load it: set -a; . {stack.env_file}; set +a)")
-    print("keys: fleet keys mint --role worker --lane <lane>   (with SUPABASE_JWT_SECRET from that file)")
+    # a line each, to fit 80 columns (but for a long path)
+    env_file = _shown_path(stack.env_file)
+    print(f"dev stack up: API {stack.url}/rest/v1/ (schema fleet)")
+    print(f"database:     {stack.db_url.split('@')[1]}")
+    print(f"environment:  {env_file}")
+    print(f"load it:      set -a; . {shlex.quote(env_file)}; set +a")
+    print("keys:         fleet keys mint --role worker --lane LANE, once it is loaded")
+
+
+def _shown_path(path: Path) -> str:
+    """``path`` relative to the working folder when it is under it (shorter to read and to type)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 @app.command("down")
