@@ -48,9 +48,11 @@ def drawn(table: FitTable, width: int) -> list[str]:
 
 
 def fits(lines: list[str], width: int, whole: list[str]) -> None:
-    """No line wider than ``width``, no ellipsis, each of ``whole`` on one line."""
+    """No line wider than ``width`` nor padded with blanks at its end, no ellipsis, each of
+    ``whole`` on one line."""
     text = "\n".join(lines)
     assert max(cell_len(line) for line in lines) <= width, text
+    assert [line for line in lines if line.endswith(" ")] == [], text
     assert "…" not in text, text
     cells = {c.strip() for line in lines for c in re.split(r"[│┃]", line)}
     for item in whole:
@@ -95,6 +97,20 @@ def test_wide_shows_every_column_however_wide() -> None:
     assert headers(lines) == {"tokens", "cost", "attempts", "title"}
     assert max(cell_len(line) for line in lines) > 80
     assert any("upgrade every dependency of the widget factory" in line for line in lines)
+    assert [line for line in lines if line.endswith(" ")] == []
+
+
+def test_a_table_without_edges_pads_no_line() -> None:
+    """A title, a caption and the rows of a box without edges end where their text does."""
+    from rich import box
+
+    table = FitTable([Col("lane", "key"), Col("tasks", min_width=14)], title="a long title over a narrow table",
+                     table_box=box.SIMPLE_HEAD, hint=None, caption="a caption")
+    table.add_row("docs", "4 done, 1 dead")
+    table.add_row("review", "1 done")
+    lines = drawn(table, 80)
+    assert [line for line in lines if line.endswith(" ")] == [], lines
+    assert "a caption" in lines and any(line.split() == ["review", "1", "done"] for line in lines), lines
 
 
 def test_narrower_than_the_columns_that_stay_they_wrap_never_an_ellipsis() -> None:

@@ -9,13 +9,14 @@ choice is made when the table is drawn, so a live display follows a resized term
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from rich import box
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.measure import Measurement
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
@@ -141,17 +142,28 @@ class FitTable:
     # -- rich's protocol
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        if not self.wide:
-            yield self.table(options.max_width)
-            return
         table = self.table(options.max_width)
-        natural = Measurement.get(console, options.update_width(1 << 16), table).maximum
-        yield from console.render(table, options.update_width(max(options.max_width, natural)))
+        if self.wide:
+            natural = Measurement.get(console, options.update_width(1 << 16), table).maximum
+            options = options.update_width(max(options.max_width, natural))
+        yield from _trimmed(console.render(table, options))
 
     def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
         needs = self._needs()
         return Measurement(sum(n[0] for n in needs) + _BORDER * len(needs) + 1,
                            sum(n[1] for n in needs) + _BORDER * len(needs) + 1)
+
+
+def _trimmed(segments: Iterable[Segment]) -> Iterator[Segment]:
+    """The lines of ``segments`` without the spaces rich pads them with to the table's width (a
+    title, a caption, a row of a box without edges): a copied or piped table has no trailing blanks."""
+    for line in Segment.split_lines(segments):
+        while line and not line[-1].control and not line[-1].text.rstrip(" "):
+            line.pop()
+        if line and not line[-1].control:
+            line[-1] = Segment(line[-1].text.rstrip(" "), line[-1].style)
+        yield from line
+        yield Segment.line()
 
 
 def print_table(console: Console, renderable: RenderableType, *, wide: bool = False) -> None:
