@@ -137,8 +137,10 @@ def slot_lock(lock_dir: Path, lane: str, slot: int) -> Path:
 
 
 def default_lock_dir(cfg: FleetConfig) -> Path:
-    """Where the slot locks (and the crontab's logs) of this config's host are by default."""
-    return (cfg.path(cfg.fleet.home) / "cron").resolve()
+    """Where the slot locks (and the crontab's logs) of this config's host are: ``[fleet] cron_dir``,
+    else ``<home>/cron``. One folder for every launcher, so that they share the lanes' slots."""
+    folder = cfg.fleet.cron_dir
+    return (cfg.path(folder) if folder is not None else cfg.path(cfg.fleet.home) / "cron").resolve()
 
 
 def shift_env(cfg: FleetConfig, url: str | None, config_path: Path | None) -> dict[str, str]:

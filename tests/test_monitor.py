@@ -525,7 +525,9 @@ def test_crontab_lines_run_as_cron_runs_them_on_a_fresh_host(make_fleet):
     followed by one in the next slot."""
     fleet = make_fleet({"docs": lane(cron="*/10 * * * *", max_shifts=2, shift_minutes=0.02)})
     folder = fleet.tmp / "100% fresh" / "cron"
-    out = fleet.cli("crontab", "--lock-dir", str(folder))
+    # (the folder as a config names it: [fleet] cron_dir, which fleet run and fleet up use too)
+    fleet.toml.write_text(fleet.toml.read_text().replace("[fleet]\n", f"[fleet]\ncron_dir = {json.dumps(str(folder))}\n", 1))
+    out = fleet.cli("crontab")
     assert out.returncode == 0, out.stderr
     lines = [ln for ln in out.stdout.splitlines() if ln and not ln.startswith("#") and "=" not in ln.split()[0]]
     assert all(re.search(r"(?<!\\)%", ln) is None for ln in lines), lines  # cron would cut the command there
@@ -578,6 +580,22 @@ def test_fleet_crontab_is_quiet_when_the_config_file_says_it_all(make_fleet, tmp
     out = fleet.cli("crontab", env=env)
     assert out.returncode == 0, out.stderr
     assert "warning" not in out.stdout and "warning" not in out.stderr
+
+
+def test_every_launcher_takes_its_slots_in_the_one_folder_the_config_names(tmp_path):
+    """[fleet] cron_dir, relative to the config's folder, else <home>/cron: the folder of the
+    crontab's lines is the one fleet run and fleet up lock in (default_lock_dir)."""
+    from monitor.host import crontab_lines, default_lock_dir
+
+    lanes = {"docs": lane(cron="*/10 * * * *", max_shifts=1)}
+    cfg = load_config(write_config(tmp_path, lanes), environ={})
+    assert default_lock_dir(cfg) == (tmp_path / "home" / "cron").resolve()
+    toml = write_config(tmp_path, lanes, cron_dir="locks")
+    cfg = load_config(toml, environ={})
+    assert default_lock_dir(cfg) == (tmp_path / "locks").resolve()
+    lines = crontab_lines(cfg, fleet_bin="/usr/local/bin/fleet", workdir=tmp_path, config=toml,
+                          lock_dir=default_lock_dir(cfg))
+    assert all(str(tmp_path / "locks" / "shift-docs.log") in ln for ln in lines if " shift " in ln), lines
 
 
 def test_a_launched_shift_holds_the_slot_the_crontabs_flock_guard_takes(tmp_path):

@@ -94,6 +94,9 @@ class FleetSection(_Strict):
     workspaces: Path = Path(".fleet/workspaces")
     home: Path = Path(".fleet")  # embedded Postgres, logs, runtime files
     git_cache: Path = Path(".fleet/git")  # the per-host mirrors of lanes' repos
+    # the shift slots' lock files and the crontab's logs (None: <home>/cron), shared by every
+    # launcher of the host: fleet run, fleet up, the crontab's lines
+    cron_dir: Path | None = None
     monitor_every: float = 30.0
     # a lane with ready work and idle slots for this long is reported (the "leaked slot" class)
     idle_alert_seconds: float = 300.0

@@ -170,17 +170,14 @@ def next_shifts(scheduler: Any, lanes: list[str]) -> str:
     return "next shifts: " + ", ".join(due)
 
 
-def crontab(
-    ctx: typer.Context,
-    lock_dir: Annotated[Path | None, typer.Option(help="where lock and log files go (default: <home>/cron)")] = None,
-) -> None:
+def crontab(ctx: typer.Context) -> None:
     """Print system crontab lines equivalent to fleet run (absolute paths, flock overlap guards)."""
     from monitor.host import crontab_lines, default_lock_dir
     from worker.config import env_settings
 
     r = rt(ctx)
     fleet_bin = shutil.which("fleet") or str(Path(sys.executable).with_name("fleet"))
-    folder = lock_dir.resolve() if lock_dir else default_lock_dir(r.cfg)
+    folder = default_lock_dir(r.cfg)  # (fleet run's and fleet up's too: they share the slots)
     # cron starts its jobs with an environment of its own: what this one sets, they would not see
     # (a DATABASE_URL only here, and the shifts would run on the embedded database instead)
     unseen = env_settings(os.environ, r.cfg)
