@@ -100,7 +100,9 @@ class ShiftLauncher:
     def _take_slot(folder: Path, lane: str, limit: int) -> int | None:
         """A descriptor holding the lock of a free slot of ``lane`` in ``folder``; None when all
         ``limit`` are held."""
-        folder.mkdir(parents=True, exist_ok=True)
+        # its owner's alone, as the crontab's lines make it: the crontab's logs go here too, and
+        # `mkdir -p -m 700` leaves the mode of a folder that exists as it is
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         for i in range(limit):
             fd = os.open(slot_lock(folder, lane, i), os.O_RDONLY | os.O_CREAT, 0o600)
             try:

@@ -14,6 +14,7 @@ import re
 import shlex
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -624,6 +625,8 @@ def test_a_launched_shift_holds_the_slot_the_crontabs_flock_guard_takes(tmp_path
     try:
         shift = first.launch("docs")
         assert shift is not None
+        # the folder it made is its owner's alone, as the crontab's lines make it (their logs go there)
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
         assert not guard_gets_the_slot(), "cron would start a second shift beside fleet run's"
         assert second.launch("docs") is None and second.count("docs") == 0
         shift.kill()  # however the shift ends, the kernel lets go of its slot
