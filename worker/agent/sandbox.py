@@ -44,6 +44,7 @@ from typing import Literal
 
 from worker.config import ENV_NAME, FleetConfig, LaneConfig, ProfileConfig
 from worker.errors import ConfigError
+from worker.files import own_folder, write_atomic
 
 Mode = Literal["bwrap", "none"]
 #: the agents whose CLIs run sandboxed unless their lane or profile says ``sandbox = "none"``:
@@ -331,8 +332,8 @@ class Sandbox:
         ro, rw = rules.paths(rules.ro), rules.paths(rules.rw)
         home_bound = self.home in ro or self.home in rw
         if not home_bound and self.home != Path("/"):
-            home = self.task_home(ws)
-            home.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # a link the agent left in its place (to the shift's HOME) is removed, never bound
+            home = own_folder(ws, self.task_home(ws))
             v.bind(home, self.home, rw=True)
         if self.passwd_home is not None and self.passwd_home != Path("/") and v.shows_host(self.passwd_home):
             v.tmpfs(self.passwd_home)
@@ -362,8 +363,7 @@ class Sandbox:
             # an empty file, not /dev/null: git reads these (the mirror's config includes its URL
             # file), and a file it cannot open is a fatal "bad config" to it; an empty one is not
             empty = ws / ".fleet" / "empty"
-            empty.parent.mkdir(parents=True, exist_ok=True)
-            empty.write_bytes(b"")
+            write_atomic(ws, empty, b"")  # (never truncating what a link there points to)
             for p in secret:
                 v.bind(empty, p, rw=False)
         if self.guard_dir is not None:

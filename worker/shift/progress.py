@@ -15,16 +15,18 @@ Marks = tuple[int, float | None, float | None]
 def progress_marks(log_path: Path, ws: Workspace) -> Marks:
     """What changes while an agent makes progress: its log grows, a hook touches
     ``.fleet/progress``, its checkpoint is written."""
-    return _size(log_path), _mtime(ws.fleet / "progress"), _mtime(ws.checkpoint_file)
+    return _size(log_path), ws.mtime(ws.fleet / "progress"), ws.mtime(ws.checkpoint_file)
 
 
 def waiting_for(ws: Workspace) -> str | None:
     """What an agent waits for, from ``.fleet/attention.json`` (a Notification hook's JSON, whose
     ``message`` says it, or plain text); None when there is no such file."""
     try:
-        text = (ws.fleet / "attention.json").read_text(errors="replace").strip()
-    except OSError:
+        text = ws.read(ws.fleet / "attention.json").strip()
+    except FileNotFoundError:
         return None
+    except OSError as exc:  # a link (to the fleet's config, say) or a FIFO: never read, but said
+        return f".fleet/attention.json cannot be read: {exc.strerror}"
     try:
         data = json.loads(text)
     except ValueError:
@@ -52,9 +54,3 @@ def _size(path: Path) -> int:
     except OSError:
         return 0
 
-
-def _mtime(path: Path) -> float | None:
-    try:
-        return path.stat().st_mtime
-    except OSError:
-        return None

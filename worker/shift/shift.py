@@ -37,6 +37,7 @@ from uuid import UUID
 
 import structlog
 
+from worker import files
 from worker.agent.adapters import ADAPTERS, Reading, StreamReader, Tokens
 from worker.agent.adapters.base import WindowReading, latest_windows
 from worker.agent.executor import (
@@ -60,6 +61,7 @@ from worker.agent.sandbox import (
 from worker.agent.supervisor import CANNOT_START
 from worker.config import FleetConfig, LaneConfig
 from worker.errors import ConfigError, DatabaseUnavailable, FleetError, LeaseLost, SessionLost
+from worker.files import write_atomic
 from worker.models import LaneHandoff, Task
 from worker.preflight import lane_problems, reason
 from worker.proc import process_identity, process_start_time
@@ -79,7 +81,6 @@ from worker.shift.progress import Marks, over_budget, progress_marks, waiting_fo
 from worker.shift.storable import StorableStore
 from worker.store.protocol import Store
 from worker.workspace.disk import disk_use
-from worker.workspace.files import write_atomic
 from worker.workspace.folder import Workspace, prepare, resolve_workspace, safe_name
 
 if TYPE_CHECKING:
@@ -445,7 +446,7 @@ class Shift:
         try:
             prepare(ws, task, instructions=self.instructions(), lane_handoff=self._lane_handoff,
                     hidden_sets=self.lane.hidden_files, shift_deadline=self.deadline_at)
-            (ws.fleet / WINDOW_CLOSING).unlink(missing_ok=True)  # an earlier attempt's: not this one's
+            files.unlink(ws.root, ws.fleet / WINDOW_CLOSING)  # an earlier attempt's: not this one's
             self._touch_workspace(task, ws)
             env = self.task_env(task, ws, d)
             if gate_only:
@@ -851,7 +852,7 @@ class Shift:
             "asked_at": datetime.now(UTC).isoformat(timespec="seconds"),
         }
         try:
-            write_atomic(job.ws.fleet / WINDOW_CLOSING, json.dumps(asked))
+            write_atomic(job.ws.root, job.ws.fleet / WINDOW_CLOSING, json.dumps(asked))
         except OSError as exc:  # tried again at the next reading
             self.log.warning("could not ask the agent to hand off before its window closes", task=job.task.id,
                              error=str(exc))

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from worker.errors import InvalidInput
-from worker.workspace.files import write_atomic
+from worker.files import write_atomic
 
 
 def save_checkpoint(workspace: Path | None, data: str) -> None:
@@ -24,4 +24,4 @@ def save_checkpoint(workspace: Path | None, data: str) -> None:
     folder = workspace / ".fleet"
     if not folder.is_dir():
         raise InvalidInput(f"{workspace} is not a task workspace (no .fleet/ folder)")
-    write_atomic(folder / "checkpoint.json", json.dumps(value))
+    write_atomic(workspace, folder / "checkpoint.json", json.dumps(value))

@@ -28,9 +28,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from worker import files
+from worker.files import UnsafeFile, write_atomic, write_private
 from worker.models import LaneHandoff, Task
 from worker.resources import resource_dir
-from worker.workspace.files import write_atomic, write_private
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _VAR = re.compile(r"\{\{(\w+)\}\}")
@@ -71,20 +72,35 @@ class Workspace:
     def route_file(self) -> Path:
         return self.fleet / "route.json"
 
-    def read_checkpoint(self) -> tuple[Any, float] | None:
-        """The agent's checkpoint and the file's mtime, or None if absent or not valid JSON yet."""
+    def read(self, path: Path) -> str:
+        """A file the agent may have written, read without following a link
+        (:func:`worker.files.read_text`: FileNotFoundError, UnsafeFile)."""
+        return files.read_text(self.root, path)
+
+    def mtime(self, path: Path) -> float | None:
+        """When the agent last wrote ``path`` (a link's own time, never its target's), or None."""
         try:
-            stat = self.checkpoint_file.stat()
-            return json.loads(self.checkpoint_file.read_text()), stat.st_mtime
+            return files.lstat(self.root, path).st_mtime
+        except OSError:
+            return None
+
+    def read_checkpoint(self) -> tuple[Any, float] | None:
+        """The agent's checkpoint and the file's mtime, or None if absent, not valid JSON yet, or
+        not a regular file of the workspace (a link to another file is never read)."""
+        try:
+            mtime = files.lstat(self.root, self.checkpoint_file).st_mtime
+            return json.loads(self.read(self.checkpoint_file)), mtime
         except (OSError, ValueError):
             return None
 
     def read_route(self) -> dict[str, Any] | None:
         """``.fleet/route.json`` if the agent wrote one: ``{"lane": ..., "note": ...}``."""
         try:
-            data = json.loads(self.route_file.read_text())
+            data = json.loads(self.read(self.route_file))
         except FileNotFoundError:
             return None
+        except UnsafeFile as exc:
+            return {"error": f".fleet/route.json cannot be read: {exc.strerror}"}
         except (OSError, ValueError) as exc:
             return {"error": f".fleet/route.json is not valid JSON: {exc}"}
         if not isinstance(data, dict) or not isinstance(data.get("lane"), str):
@@ -118,11 +134,13 @@ def batch_workspace(workspaces: Path, lane: str, name: str) -> Workspace:
 
 
 def render_hidden_files(ws: Workspace, sets: list[str], values: Mapping[str, str]) -> list[Path]:
-    """Render the hidden-file sets into the workspace; returns the files written."""
-    ws.fleet.mkdir(parents=True, exist_ok=True)
+    """Render the hidden-file sets into the workspace; returns the files written. A file whose
+    path passes through a link of the workspace (a task's repository may have one) is left as it
+    is, as one the repository has."""
+    files.own_folder(ws.root, ws.fleet)
     manifest_path = ws.fleet / MANIFEST
     try:
-        ours = set(json.loads(manifest_path.read_text()))
+        ours = set(json.loads(ws.read(manifest_path)))
     except (OSError, ValueError):
         ours = set()
     base = resource_dir("hidden_files")
@@ -134,14 +152,19 @@ def render_hidden_files(ws: Workspace, sets: list[str], values: Mapping[str, str
         for src in sorted(p for p in src_root.rglob("*") if p.is_file()):
             rel = Path("." + name) / src.relative_to(src_root)
             dest = ws.root / rel
-            if dest.exists() and str(rel) not in ours:
+            try:
+                there = files.lstat(ws.root, dest)
+            except FileNotFoundError:
+                there = None
+            except UnsafeFile:
+                continue  # a folder on its way is a link: the repository's, never written through
+            if there is not None and str(rel) not in ours:
                 continue  # the task's repository has its own: never overwrite it
-            dest.parent.mkdir(parents=True, exist_ok=True)
             text = _VAR.sub(lambda m: values.get(m.group(1), m.group(0)), src.read_text())
-            write_atomic(dest, text)
+            write_atomic(ws.root, dest, text)
             ours.add(str(rel))
             written.append(dest)
-    write_atomic(manifest_path, json.dumps(sorted(ours), indent=1))
+    write_atomic(ws.root, manifest_path, json.dumps(sorted(ours), indent=1))
     return written
 
 
@@ -234,17 +257,17 @@ def prepare(ws: Workspace, task: Task, *, instructions: str, lane_handoff: LaneH
         "attempt": str(task.attempts), "shift_deadline": shift_deadline.isoformat(timespec="seconds"),
     }
     render_hidden_files(ws, sorted(set(hidden_sets) | {"fleet"}), values)
-    write_private(ws.fleet / "task.json", json.dumps({
+    write_private(ws.root, ws.fleet / "task.json", json.dumps({
         "id": task.id, "key": task.key, "lane": task.lane, "title": task.title,
         "attempt": task.attempts, "payload": task.payload,
         "lease_expires_at": task.lease_expires_at, "shift_deadline": shift_deadline,
         "agent_session": task.agent_session,
     }, indent=2, default=str))
-    write_atomic(ws.fleet / "handoff.md", handoff_markdown(task))
+    write_atomic(ws.root, ws.fleet / "handoff.md", handoff_markdown(task))
     # the database holds the truth: the workspace gets its checkpoint, or none
     if task.checkpoint is not None:
-        write_atomic(ws.checkpoint_file, json.dumps(task.checkpoint, indent=2))
+        write_atomic(ws.root, ws.checkpoint_file, json.dumps(task.checkpoint, indent=2))
     else:
-        ws.checkpoint_file.unlink(missing_ok=True)
-    ws.route_file.unlink(missing_ok=True)
-    write_atomic(ws.prompt_file, build_prompt(task, instructions, lane_handoff))
+        files.unlink(ws.root, ws.checkpoint_file)
+    files.unlink(ws.root, ws.route_file)
+    write_atomic(ws.root, ws.prompt_file, build_prompt(task, instructions, lane_handoff))

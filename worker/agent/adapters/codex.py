@@ -60,6 +60,7 @@ from worker.agent.adapters.base import (
     later,
     timestamp,
 )
+from worker.files import read_tail
 
 _RECONNECTING = re.compile(r"^\s*Reconnecting\.\.\.\s*\d+/\d+", re.IGNORECASE)
 _LIMIT = re.compile(r"usage limit|usage_limit_reached|rate limit|last status: 429\b|Too Many Requests", re.IGNORECASE)
@@ -175,13 +176,11 @@ def rollout_windows(reading: Reading, homes: Sequence[Path]) -> list[WindowReadi
             continue
         reader = CodexReader()
         path = found[-1]
-        try:
-            size = path.stat().st_size
-            with path.open("rb") as fh:
-                fh.seek(max(0, size - ROLLOUT_TAIL))
-                text = fh.read().decode("utf-8", "replace")
+        try:  # (the task's HOME is the agent's: never a link to another file, never a FIFO)
+            data, size = read_tail(path, ROLLOUT_TAIL)
         except OSError:
             return []
+        text = data.decode("utf-8", "replace")
         if size > ROLLOUT_TAIL:
             text = text.split("\n", 1)[-1]  # the first line read is cut
         for line in text.splitlines():
