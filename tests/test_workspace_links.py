@@ -92,7 +92,8 @@ def test_what_the_shift_reads_back_is_never_a_link_to_another_file(place: tuple[
     for name in ("checkpoint.json", "route.json", "attention.json"):
         (ws.fleet / name).unlink(missing_ok=True)
         (ws.fleet / name).symlink_to(victim)
-    assert ws.read_checkpoint() is None
+    with pytest.raises(files.UnsafeFile, match="symbolic link"):
+        ws.read_checkpoint()
     route = ws.read_route()
     assert route is not None and SECRET not in json.dumps(route) and "cannot be read" in route["error"], route
     note = waiting_for(ws)
@@ -109,18 +110,27 @@ def test_a_fifo_is_never_waited_on(place: tuple[Workspace, Path]) -> None:
         (ws.fleet / name).unlink(missing_ok=True)
         os.mkfifo(ws.fleet / name)
     answers: list[object] = []
-    reader = threading.Thread(target=lambda: answers.extend([ws.read_checkpoint(), waiting_for(ws), ws.read_route()]),
-                              daemon=True)
+
+    def read() -> None:
+        try:
+            ws.read_checkpoint()
+        except files.UnsafeFile as exc:
+            answers.append(exc.strerror)
+        answers.extend([waiting_for(ws), ws.read_route()])
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     reader.join(10)
     assert not reader.is_alive(), "the shift waits on a FIFO the agent made"
-    assert answers[0] is None and "not a regular file" in str(answers[1]) and "error" in answers[2]  # type: ignore[operator]
+    assert "not a regular file" in str(answers[0]) and "not a regular file" in str(answers[1]), answers
+    assert "error" in answers[2], answers  # type: ignore[operator]
 
 
 def test_a_file_too_large_is_not_read(place: tuple[Workspace, Path]) -> None:
     ws, _ = place
     (ws.fleet / "checkpoint.json").write_text(json.dumps({"x": "y" * (files.READ_LIMIT + 10)}))
-    assert ws.read_checkpoint() is None
+    with pytest.raises(files.UnsafeFile, match="more than"):
+        ws.read_checkpoint()
 
 
 def test_the_sandbox_never_binds_a_link_as_the_task_home(place: tuple[Workspace, Path], tmp_path: Path) -> None:

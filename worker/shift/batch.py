@@ -49,6 +49,7 @@ from worker.agent.executor import AgentProcess, render_argv, tail
 from worker.agent.prices import run_report, spent
 from worker.config import FleetConfig, LaneConfig
 from worker.errors import ConfigError, DatabaseUnavailable, FleetError, LeaseLost
+from worker.files import UnsafeFile
 from worker.models import Task
 from worker.shift.dispatch import Dispatch, classify_gate, resolve
 from worker.shift.progress import Marks, over_budget, progress_marks, waiting_for
@@ -277,7 +278,11 @@ class BatchRunner:
         m["branch"], m["worktree"] = branch, os.path.abspath(ws.root)
         m["cut_sha"] = m.get("cut_sha") or head
         member_task = self.shift.store.get_task(int(m["task_id"]))
-        cp = ws.read_checkpoint()  # this member's own, from an earlier claim of the carrier on this host
+        try:
+            cp = ws.read_checkpoint()  # this member's own, from an earlier claim of the carrier on this host
+        except UnsafeFile as exc:  # a link or a FIFO the member's agent left: the database's is used
+            self.log.warning("member checkpoint not read", member=m["task_id"], error=exc.strerror)
+            cp = None
         if cp is not None and m["state"] == "running":
             member_task = member_task.model_copy(update={"checkpoint": cp[0]})
         prepare(ws, member_task, instructions=self.shift.instructions(), lane_handoff=None,

@@ -61,7 +61,7 @@ from worker.agent.sandbox import (
 from worker.agent.supervisor import CANNOT_START
 from worker.config import FleetConfig, LaneConfig
 from worker.errors import ConfigError, DatabaseUnavailable, FleetError, LeaseLost, SessionLost
-from worker.files import write_atomic
+from worker.files import UnsafeFile, write_atomic
 from worker.models import LaneHandoff, Task
 from worker.preflight import lane_problems, reason
 from worker.proc import process_identity, process_start_time
@@ -479,7 +479,10 @@ class Shift:
                   resumed=bool(session) and not gate_only)
         if gate_only:
             job.gate_until = time.monotonic() + self.lane.verify_timeout
-        cp = ws.read_checkpoint()
+        try:
+            cp = ws.read_checkpoint()
+        except UnsafeFile:
+            cp = None  # (said when the shift would store it: _store_checkpoint)
         if cp is not None:
             job.checkpoint, job.checkpoint_mtime = cp
         self.jobs[task.id] = job
@@ -774,7 +777,14 @@ class Shift:
                 self.log.info("pending call made", task=task_id, outcome=outcome)
 
     def _store_checkpoint(self, job: Job) -> None:
-        cp = job.ws.read_checkpoint()
+        try:
+            cp = job.ws.read_checkpoint()
+        except UnsafeFile as exc:  # a link, a FIFO, more than READ_LIMIT: said once per version of it
+            seen = (job.ws.mtime(job.ws.checkpoint_file) or 0.0, None)
+            if job.refused_checkpoint != seen:
+                self.log.warning("checkpoint not read", task=job.task.id, error=exc.strerror)
+                job.refused_checkpoint = seen
+            return
         if cp is None:
             return
         data, mtime = cp

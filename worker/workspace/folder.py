@@ -85,11 +85,14 @@ class Workspace:
             return None
 
     def read_checkpoint(self) -> tuple[Any, float] | None:
-        """The agent's checkpoint and the file's mtime, or None if absent, not valid JSON yet, or
-        not a regular file of the workspace (a link to another file is never read)."""
+        """The agent's checkpoint and the file's mtime, or None if absent or not valid JSON yet;
+        :class:`UnsafeFile` (its ``strerror`` says why) when it is a link (never followed), not a
+        regular file, or larger than :data:`worker.files.READ_LIMIT`."""
         try:
             mtime = files.lstat(self.root, self.checkpoint_file).st_mtime
             return json.loads(self.read(self.checkpoint_file)), mtime
+        except UnsafeFile:
+            raise
         except (OSError, ValueError):
             return None
 
