@@ -318,11 +318,17 @@ class Sandbox:
         return workspace / TASK_HOME
 
     def argv(self, rules: AgentRules, workspace: Path, *, program: str | None = None,
-             writable: Iterable[Path] = (), secret: Iterable[Path] = ()) -> list[str]:
+             writable: Iterable[Path] = (), secret: Iterable[Path] = (),
+             protect: Iterable[Path] = ()) -> list[str]:
         """``bwrap … --`` for an agent working in ``workspace`` (made first: its HOME folder).
         ``program``: the agent's executable as found on its PATH, shown again if it lies under
-        something hidden; ``writable``: more folders it works in (the lane's git mirror);
-        ``secret``: files in them it must not read (the mirror's origin URL, which may hold a token)."""
+        something hidden; ``writable``: more folders it works in (the lane's git mirror), bound
+        in their order; ``secret``: files in them it must not read (the mirror's origin URL, which
+        may hold a token); ``protect``: files and folders it may read but not change, bound
+        read-only over themselves after everything else, its workspace included (the git control
+        files of the mirror and of its worktree, which the shift's git would trust: see
+        worker.workspace.git.agent_binds). A protected path that is missing, a symbolic link, a
+        secret or not shown is skipped."""
         ws = Path(os.path.abspath(workspace))
         v = _View()
         v.bind(Path("/"), Path("/"), rw=False)
@@ -369,6 +375,11 @@ class Sandbox:
         if self.guard_dir is not None:
             v.bind(self.guard_dir, self.guard_dir, rw=False)
         v.bind(ws, ws, rw=True)
+        for p in dict.fromkeys(Path(os.path.abspath(p)) for p in protect):
+            # after the workspace (its .git file) and the mirror: a read-only mount point, which
+            # the agent can neither write, nor rename or delete to put another file in its place
+            if p not in secret and not p.is_symlink() and p.exists() and v.shows_host(p):
+                v.bind(p, p, rw=False)
         if self.home == Path("/"):
             v.args += ["--setenv", "HOME", str(self.task_home(ws))]
         return [self.binary, *v.args, "--chdir", str(ws), *UNSHARE, *_caps(), "--"]

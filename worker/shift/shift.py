@@ -631,10 +631,13 @@ class Shift:
             program = shutil.which(name, path=env.get("PATH", os.defpath))
             if program is None:
                 raise ProgramNotFound(2, "not found on the PATH it gets", argv[0])
+            from worker.workspace.git import agent_binds
+
             mirror = self.mirror() if self.lane.repo else None
-            prefix = self.sandbox().argv(rules, cwd, program=program,
-                                         writable=[mirror.path] if mirror else [],
-                                         secret=[mirror.origin_url_file] if mirror else [])
+            # the mirror read-write but for its control files, the worktree's .git (read-only)
+            writable, protect = ([], []) if mirror is None else agent_binds(mirror, cwd)
+            prefix = self.sandbox().argv(rules, cwd, program=program, writable=writable,
+                                         secret=[mirror.origin_url_file] if mirror else [], protect=protect)
         proc = AgentProcess(argv, cwd=cwd, env=env, log_path=log_path, stdin=stdin, sandbox=prefix, label=label)
         if self._fence.term_at is not None and self._fence.kill_at is not None:
             proc.fence(self._fence.term_at, self._fence.kill_at)

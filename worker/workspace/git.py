@@ -26,6 +26,21 @@ without a shell, with a timeout (its process group killed when it expires), no t
 variables a parent git (a hook) may have left in the environment. Commits this module makes
 (:func:`commit_all`) carry the lanefleet identity through ``GIT_AUTHOR_*``/``GIT_COMMITTER_*``.
 
+Untrusted writers. Agents commit into the mirror (the sandbox binds it read-write, its control
+files read-only: worker/agent/sandbox.py), so no git this module runs — with the fleet's own
+rights, outside any sandbox — executes or trusts what an agent could have written there:
+
+- hooks never run (``core.hooksPath=/dev/null``), nor an fsmonitor, an ``ext::`` transport, a
+  signature program (:data:`_HARDENING`); git gets none of the fleet's secrets in its environment
+  (:func:`git_env`), but what a push authenticates with (ssh agent, HOME, proxies, helpers);
+- the repository is named, never discovered: ``--git-dir`` and ``GIT_COMMON_DIR`` (so that no
+  ``commondir`` file planted in it is followed) for the mirror, plus the worktree's admin folder
+  and ``--work-tree`` in a worktree, whose ``.git`` file is checked to point at its registration
+  in this mirror (and back) first; a rewritten one is a :class:`GitError`;
+- the mirror's config may hold only what lanefleet and git write there (:data:`_MIRROR_KEYS`:
+  no helper, command, URL rewrite, include or hook setting), and no ``objects/info/alternates``
+  nor ``commondir``: anything else is a :class:`GitError` naming it, and nothing runs.
+
 A worktree is created before anything else is written at its path (``git worktree add`` wants an
 empty or missing directory); ``/.fleet/`` is in the mirror's ``info/exclude`` (shared by all
 its worktrees), so the hidden files lanefleet renders there are never committed.
@@ -40,6 +55,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -69,12 +85,35 @@ _GIT_OPTIONS = (
     "-c", "commit.gpgSign=false",
     "-c", "core.quotePath=false",
 )
+#: what every git the shift runs is kept from executing, whatever a config (the mirror's, which an
+#: agent commits into) says: hooks (all of them, post-index-change and reference-transaction
+#: included: /dev/null is no folder, so no hook is ever found), an fsmonitor daemon or command,
+#: ``ext::`` URLs (a shell command as a transport), signing or verifying with a gpg program, and
+#: origin's upload-pack/receive-pack programs (git's own, the defaults). (What -c cannot unset —
+#: credential helpers, ssh commands, URL rewrites — :meth:`Mirror.check_controls` refuses.)
+_HARDENING = (
+    "-c", "core.hooksPath=/dev/null",
+    "-c", "core.fsmonitor=false",
+    "-c", "protocol.ext.allow=never",
+    "-c", "push.gpgSign=false",
+    "-c", "merge.verifySignatures=false",
+    "-c", "remote.origin.uploadpack=git-upload-pack",
+    "-c", "remote.origin.receivepack=git-receive-pack",
+)
 # variables that would point git at another repository (a hook's environment) or inject config
 _SCRUB = frozenset({
     "GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY", "GIT_COMMON_DIR",
     "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_NAMESPACE", "GIT_PREFIX", "GIT_CONFIG_PARAMETERS",
     "GIT_CONFIG_COUNT", "GIT_QUARANTINE_PATH",
 })
+# the fleet's own secrets and settings, which git never needs (a hook, a helper an agent planted,
+# would read them from its environment): worker.config's ENV_SETTINGS and FLEET_OWN_ENV (the
+# database, the keys, libpq's variables), every FLEET_* (FLEET_DATABASE__URL, FLEET_CONFIG, a
+# lease token) and SUPABASE_* variable. Kept: what a push authenticates with (SSH_AUTH_SOCK,
+# GIT_SSH*, HOME, PATH, proxies, a credential helper's own variables such as GH_TOKEN).
+_SECRET_NAMES = frozenset({"DATABASE_URL", "FLEET_KEY", "FLEET_WORKER_KEY", "FLEET_CONFIG"})
+_SECRET_PREFIXES = ("FLEET_", "SUPABASE_", "PG")
+_SECRET_SUFFIXES = ("DATABASE_URL", "DB_URL")
 _STDERR_LINES = 6
 _STDERR_CHARS = 600
 
@@ -128,9 +167,15 @@ def _tail(stderr: str) -> str:
 # running git
 
 
+def _fleet_secret(name: str) -> bool:
+    return name in _SECRET_NAMES or name.startswith(_SECRET_PREFIXES) or name.endswith(_SECRET_SUFFIXES)
+
+
 def git_env(identity: tuple[str, str] = IDENTITY, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """git's environment: the shift's, less the fleet's secrets (:func:`_fleet_secret`) and the
+    variables that would point git elsewhere, plus the lanefleet identity and ``extra``."""
     env = {k: v for k, v in os.environ.items()
-           if k not in _SCRUB and not re.fullmatch(r"GIT_CONFIG_(KEY|VALUE)_\d+", k)}
+           if k not in _SCRUB and not re.fullmatch(r"GIT_CONFIG_(KEY|VALUE)_\d+", k) and not _fleet_secret(k)}
     name, email = identity
     env.update({
         "GIT_TERMINAL_PROMPT": "0",  # never wait for a password nobody will type
@@ -152,17 +197,26 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 def run_git(args: Sequence[str], *, git_dir: Path | None = None, cwd: Path | None = None,
             timeout: float = GIT_TIMEOUT, identity: tuple[str, str] = IDENTITY,
-            ok: Sequence[int] = (0,), where: str = "") -> tuple[int, str]:
-    """Run ``git [--git-dir D] ARGS`` (never through a shell): (exit status, stdout). A status not
-    in ``ok``, a timeout or a missing git raises :class:`GitError`. With ``cwd`` (a worktree), git
-    is kept from looking above it for a repository (GIT_CEILING_DIRECTORIES)."""
-    argv = ["git", *_GIT_OPTIONS]
+            ok: Sequence[int] = (0,), where: str = "", work_tree: Path | None = None,
+            common_dir: Path | None = None) -> tuple[int, str]:
+    """Run ``git [--git-dir D [--work-tree W]] ARGS`` (never through a shell, never running a hook
+    or anything else :data:`_HARDENING` names): (exit status, stdout). A status not in ``ok``, a
+    timeout or a missing git raises :class:`GitError`. With ``git_dir``, ``GIT_COMMON_DIR`` is
+    ``common_dir`` (default: ``git_dir`` itself), so that no ``commondir`` file in it is followed.
+    With ``cwd`` (a worktree), git is kept from looking above it for a repository
+    (GIT_CEILING_DIRECTORIES)."""
+    argv = ["git", *_GIT_OPTIONS, *_HARDENING]
+    extra: dict[str, str] = {}
     if git_dir is not None:
         argv += ["--git-dir", str(git_dir)]
+        extra["GIT_COMMON_DIR"] = str(common_dir or git_dir)
+        if work_tree is not None:
+            argv += ["--work-tree", str(work_tree)]
     argv += list(args)
     shown = _redact("git " + " ".join(args))
     place = f" ({where})" if where else ""
-    extra = {"GIT_CEILING_DIRECTORIES": str(cwd.parent)} if cwd is not None else None
+    if cwd is not None:
+        extra["GIT_CEILING_DIRECTORIES"] = str(cwd.parent)
     try:
         proc = subprocess.Popen(argv, cwd=cwd, env=git_env(identity, extra), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -188,6 +242,34 @@ def run_git(args: Sequence[str], *, git_dir: Path | None = None, cwd: Path | Non
         raise GitError(f"{shown}{place} failed (exit {proc.returncode}): {tail or 'no message'}",
                        cmd=shown, returncode=proc.returncode, stderr=tail)
     return proc.returncode, out.decode(errors="replace")
+
+
+# ------------------------------------------------------------------------------------------------
+# what a mirror's config may hold (Mirror.check_controls)
+
+#: the keys lanefleet (Mirror._create) and ``git init`` write in a mirror's config, and inert ones
+#: an operator may tune; a branch's upstream (``branch.<b>.remote``/``merge``). Nothing that runs
+#: a program, names a helper, a URL or another file.
+_MIRROR_KEYS = frozenset({
+    "core.repositoryformatversion", "core.filemode", "core.bare", "core.logallrefupdates",
+    "core.ignorecase", "core.precomposeunicode", "core.symlinks", "core.compression",
+    "core.bigfilethreshold", "remote.origin.fetch", "remote.origin.url", "user.name", "user.email",
+    # (what git init writes under a global init.defaultObjectFormat / init.defaultRefFormat)
+    "extensions.objectformat", "extensions.refstorage",
+})
+_MIRROR_SECTIONS = ("gc.", "pack.")
+
+
+def _mirror_key(key: str, value: str) -> bool:
+    if key == "include.path":
+        return value == ORIGIN_URL_FILE
+    if key.startswith("branch.") and key.rsplit(".", 1)[-1] in ("remote", "merge"):
+        return True
+    return key in _MIRROR_KEYS or key.startswith(_MIRROR_SECTIONS)
+
+
+def _url_key(key: str, value: str) -> bool:
+    return key == "remote.origin.url"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -336,6 +418,7 @@ class Mirror:
         self.lock_timeout = lock_timeout
         self.excludes = tuple(excludes)
         self.identity = identity
+        self._checked: list[tuple[int, ...] | None] | None = None  # the config files checked last
 
     def __repr__(self) -> str:
         return f"Mirror({_redact(self.repo)!r} at {str(self.path)!r})"
@@ -350,6 +433,10 @@ class Mirror:
 
     def run(self, *args: str, ok: Sequence[int] = (0,), timeout: float | None = None,
             git_dir: Path | None = None) -> tuple[int, str]:
+        """git against the mirror (or ``git_dir``: the one being made), after
+        :meth:`check_controls` for the mirror itself."""
+        if git_dir is None or git_dir == self.path:
+            self.check_controls()
         return run_git(args, git_dir=git_dir or self.path, timeout=timeout or self.timeout,
                        identity=self.identity, ok=ok, where=self.where)
 
@@ -358,10 +445,91 @@ class Mirror:
         return self.run(*args)[1]
 
     def in_worktree(self, path: Path, *args: str, ok: Sequence[int] = (0,)) -> tuple[int, str]:
-        if not (path / ".git").exists():
+        """git in this mirror's worktree at ``path``, its repository named (:meth:`admin_dir`),
+        never found through the ``.git`` file."""
+        path = Path(os.path.abspath(path))
+        admin = self.admin_dir(path)
+        self.check_controls()
+        return run_git(args, git_dir=admin, common_dir=self.path, work_tree=path, cwd=path,
+                       timeout=self.timeout, identity=self.identity, ok=ok, where=f"worktree {path}")
+
+    def admin_dir(self, path: Path) -> Path:
+        """The folder ``<mirror>/worktrees/<id>`` of the worktree at ``path``, once it is sure that
+        its ``.git`` file points there and that it points back at that ``.git`` (git wrote both;
+        an agent works beside them): a :class:`GitError` otherwise, and no git runs."""
+        dot_git = Path(os.path.abspath(path)) / ".git"
+        if not dot_git.exists() and not dot_git.is_symlink():
             raise GitError(f"{path} is not a git worktree (no .git in it)")
-        return run_git(args, cwd=path, timeout=self.timeout, identity=self.identity, ok=ok,
-                       where=f"worktree {path}")
+        refuse = (f"{dot_git} is not what git wrote for a worktree of the {self.where}",
+                  "something rewrote it (or moved the worktree): not running git on what it points at; "
+                  "remove the workspace, and its worktree is made again from its branch")
+        try:
+            text = _read_control(dot_git)
+        except OSError as exc:
+            raise GitError(f"{refuse[0]}: it cannot be opened ({exc.strerror})", refuse[1]) from None
+        target = text.removeprefix("gitdir: ").strip() if text.startswith("gitdir: ") else ""
+        home = Path(os.path.realpath(self.path / "worktrees"))
+        admin = Path(target)
+        if (not target or "\n" in target or not admin.is_absolute() or admin.name in ("", ".", "..")
+                or Path(os.path.realpath(admin.parent)) != home):
+            raise GitError(f"{refuse[0]}: it points at {target[:200]!r}, not into {home}", refuse[1])
+        admin = home / admin.name
+        try:
+            if not stat.S_ISDIR(os.lstat(admin).st_mode):
+                raise GitError(f"{refuse[0]}: {admin} is not a folder", refuse[1])
+            back = _read_control(admin / "gitdir").strip()
+            common = _read_control(admin / "commondir").strip()
+        except OSError as exc:
+            raise GitError(f"{refuse[0]}: its registration {admin} cannot be read ({exc.strerror})",
+                           refuse[1]) from None
+        if not back or not _same(Path(back), dot_git):
+            raise GitError(f"{refuse[0]}: its registration {admin} is that of {back[:200]!r}", refuse[1])
+        # (git reads its refs where commondir says, whatever GIT_COMMON_DIR says)
+        if not common or not _same(admin / common, self.path):
+            raise GitError(f"{refuse[0]}: its registration {admin} names {common[:200]!r} as its repository",
+                           refuse[1])
+        return admin
+
+    def check_controls(self) -> None:
+        """Refuse (:class:`GitError`) a mirror whose config holds a setting lanefleet and git never
+        write there (:data:`_MIRROR_KEYS`): a command, a helper, a URL rewrite, an include — what
+        an agent committing in it could have planted for the shift's git to run with the fleet's
+        rights — or that has an ``objects/info/alternates`` or ``commondir`` file. The config is
+        read again whenever its files change (their size, times or inode)."""
+        if not self.exists():
+            return
+        hint = "lanefleet does not use it, and a git the shift runs must not: remove it"
+        for extra in ("commondir", "objects/info/alternates", "objects/info/http-alternates"):
+            if os.path.lexists(self.path / extra):
+                raise GitError(f"the {self.where} at {self.path} has a {extra} file, which lanefleet never "
+                               f"writes: not running git on it", f"{hint} ({self.path / extra})")
+        files = [self.path / "config", self.path / ORIGIN_URL_FILE]
+        stamp: list[tuple[int, ...] | None] = []
+        for f in files:
+            try:
+                st = os.lstat(f)
+                stamp.append((st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode))
+            except FileNotFoundError:
+                stamp.append(None)
+        if stamp == self._checked:
+            return
+        for f, allowed in zip(files, (_mirror_key, _url_key), strict=True):
+            if f.is_symlink() or (f.exists() and not f.is_file()):
+                raise GitError(f"{f} (the {self.where}'s config) is not a plain file: not running git on it",
+                               "remove the mirror; it is made again at the next fetch")
+            if not f.exists():
+                continue
+            _, out = run_git(["config", "--file", str(f), "--no-includes", "--list", "-z"],
+                             timeout=self.timeout, where=self.where)
+            for entry in out.split("\0"):
+                key, _, value = entry.partition("\n")
+                if key and not allowed(key.lower(), value):
+                    raise GitError(
+                        f"{f} (the {self.where}'s config) sets {key}, which lanefleet never writes there: "
+                        f"not running git on it (an agent working in the mirror may have planted it)",
+                        f"check it and remove it (git config --file {f} --unset-all {key}); settings "
+                        f"of your own (an ssh command, a credential helper) belong in your global config")
+        self._checked = stamp
 
     def exists(self) -> bool:
         return (self.path / "HEAD").is_file()
@@ -452,6 +620,18 @@ class Mirror:
         _no_option(b)
         rc, _ = self.run("merge-base", "--is-ancestor", a, b, ok=(0, 1))
         return rc == 0
+
+
+def _read_control(path: Path) -> str:
+    """A small git control file an agent may have replaced: never through a link, never a FIFO
+    (which would hold the shift), at most 4 KiB. OSError (ELOOP, or EINVAL: not a file) else."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(22, "not a file")
+        return os.read(fd, 4096).decode(errors="replace")
+    finally:
+        os.close(fd)
 
 
 def _no_option(rev: str) -> None:
@@ -596,6 +776,49 @@ def _ensure_worktree(mirror: Mirror, path: Path, branch: str, start_ref: str, st
         raise GitError(f"{start_label} does not exist in {_redact(mirror.repo)}",
                        "check the lane's base branch")
     return mirror.in_worktree(path, "rev-parse", "HEAD")[1].strip()
+
+
+#: a worktree's registration files git trusts (where the repository is, where the worktree is,
+#: its own config): read-only to an agent, beside the HEAD, index and logs it writes
+_ADMIN_FILES = ("commondir", "gitdir", "config.worktree")
+
+
+def agent_binds(mirror: Mirror, workspace: Path) -> tuple[list[Path], list[Path]]:
+    """What the sandbox of an agent working in ``workspace`` (a worktree of ``mirror``, or not) binds
+    of the mirror (worker.agent.sandbox.Sandbox.argv): ``(writable, protect)``.
+
+    ``writable``, bound read-write in this order: the mirror (its objects, refs, logs: where the
+    agent's commits go), its ``worktrees/`` folder and each worktree's own folder there — each a
+    mount point of its own, so that none can be renamed away with the read-only files in it and
+    made again. ``protect``, bound read-only over themselves after everything else: the mirror's
+    ``config`` and the files it may include (``*.config``), ``hooks/`` and ``info/`` (attributes,
+    excludes), every worktree's :data:`_ADMIN_FILES` and the workspace's own ``.git`` file. A
+    symbolic link is never bound (it would show what it points to)."""
+    ws = Path(os.path.abspath(workspace))
+    root = mirror.path
+    writable = [root]
+    protect: list[Path] = []
+
+    def real(p: Path, kind: str) -> bool:
+        try:
+            mode = os.lstat(p).st_mode
+        except OSError:
+            return False
+        return stat.S_ISDIR(mode) if kind == "dir" else stat.S_ISREG(mode)
+
+    for name in ("config", "hooks", "info"):
+        if real(root / name, "file" if name == "config" else "dir"):
+            protect.append(root / name)
+    protect += sorted(p for p in root.glob("*.config") if real(p, "file"))
+    if real(root / "worktrees", "dir"):
+        writable.append(root / "worktrees")
+        for admin in sorted((root / "worktrees").iterdir()):
+            if real(admin, "dir"):
+                writable.append(admin)
+                protect += [admin / f for f in _ADMIN_FILES if real(admin / f, "file")]
+    if real(ws / ".git", "file"):
+        protect.append(ws / ".git")
+    return writable, protect
 
 
 def ensure_task_worktree(mirror: Mirror, path: Path, branch: str, base: str) -> str:
