@@ -35,7 +35,9 @@ class Outage:
             self.since = time.monotonic()
             self.wait = FIRST_WAIT
             why = (str(error).strip().splitlines() or [""])[0][:200]
-            self.say(f"database restarting, reconnecting ({self.where}: {why})")
+            # (the store's errors name the database already: "the embedded database in … is unreachable")
+            self.say(f"database restarting, reconnecting: {why}" if self.where in why
+                     else f"database restarting, reconnecting ({self.where}: {why})")
             return self.wait
         self.wait = min(self.wait * 2, MAX_WAIT)
         return self.wait

@@ -192,6 +192,8 @@ def test_one_fleet_up_per_directory_db_stop_refuses_and_up_survives_a_restart(pr
             up.wait(10)
     text = out.read_text()
     assert text.count("database restarting, reconnecting") == 1, text  # said once
+    said = " ".join(text.split())  # (wrapped at the terminal's width)
+    assert f"reconnecting: the embedded database in {pgdata} is unreachable" in said, text  # named once
     assert "summary" in text
     assert "Traceback" not in err.read_text() and "psycopg.pool" not in err.read_text(), err.read_text()
     assert holder(project / ".fleet" / "up.lock") is None  # released: the next `fleet up` may start

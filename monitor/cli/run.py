@@ -139,7 +139,7 @@ def run(
                               max_instances=1, coalesce=True, misfire_grace_time=30)
             scheduled.append(name)
     # a restart of the database: said once, and the next pass tries again (monitor.outage)
-    outage = Outage(r.database, lambda line: console.print(line, highlight=False, soft_wrap=True))
+    outage = Outage(r.database, lambda line: console.print(line, highlight=False, markup=False))
     scheduler.add_job(lambda: outage.attempt(lambda: monitor_pass(store, r.cfg)),
                       IntervalTrigger(seconds=r.cfg.fleet.monitor_every), id="monitor", max_instances=1, coalesce=True)
     stop = threading.Event()
@@ -310,7 +310,7 @@ def up(
     # ends, and the summary below is printed once
     with contextlib.ExitStack() as stopping, Live(console=console, refresh_per_second=4, transient=True) as live:
         stopping.callback(launcher.stop_all)
-        outage = Outage(r.database, lambda line: live.console.print(line, highlight=False, soft_wrap=True))
+        outage = Outage(r.database, lambda line: live.console.print(line, highlight=False, markup=False))
         while not stop.is_set():
             try:
                 ready = {row["lane"]: row["ready"] for row in store.query("ready_by_lane")}
