@@ -428,10 +428,16 @@ def test_fleet_run_launches_shifts_on_cron_and_never_past_max_shifts(make_fleet)
 
 def test_fleet_run_for_a_duration(make_fleet):
     fleet = make_fleet({"docs": lane(cron="0 0 1 1 *"), "review": lane()})  # never due during the test
+    # ready work in a lane without shifts: its monitor pass finds idle capacity at once
+    fleet.enqueue("review", 1, {})
     started = time.monotonic()
-    done = fleet.cli("run", "--for", "1s", env=run_env(fleet))
+    done = fleet.cli("run", "--for", "2s", env={**run_env(fleet), "FLEET_FLEET__IDLE_ALERT_SECONDS": "1s"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"launched": {}, "max_concurrent": {}}
+    # what the monitor found is logged, a line each (JSON lines: stderr is no terminal here)
+    found = [json.loads(line) for line in done.stderr.splitlines() if '"monitor: ' in line]
+    assert {(f["event"], f["lane"]) for f in found} == {("monitor: idle_capacity", "review")}, done.stderr[-2000:]
+    assert found[0]["detail"]["ready"] == 1, found
     # it says when each lane's next shift starts, and which lanes it will never start
     said = " ".join(done.stdout.split())
     assert f"next shifts: docs at {datetime.now(UTC).year + 1}-01-01T00:00:00Z" in said, said

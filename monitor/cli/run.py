@@ -39,6 +39,17 @@ def actions_table(actions: list[RepairAction]) -> FitTable:
     return table
 
 
+def log_actions(actions: list[RepairAction]) -> None:
+    """What a monitor pass of `fleet run` did and found, a log line each (as `fleet monitor`
+    prints them in a table): repairs, stalls, idle capacity."""
+    import structlog
+
+    log = structlog.get_logger("lanefleet.monitor")
+    for a in actions:
+        log.info(f"monitor: {a.action}", lane=a.lane, task=a.task_id,
+                 session=str(a.session_id)[:8] if a.session_id else None, **{"detail": a.detail} if a.detail else {})
+
+
 def paused_warning(lane: str, why: str) -> None:
     err_console.print(f"warning: lane {lane} is paused: {escape(why)} (fix fleet.toml, then `fleet lanes sync`)",
                       highlight=False, soft_wrap=True)
@@ -140,7 +151,11 @@ def run(
             scheduled.append(name)
     # a restart of the database: said once, and the next pass tries again (monitor.outage)
     outage = Outage(r.database, lambda line: console.print(line, highlight=False, markup=False))
-    scheduler.add_job(lambda: outage.attempt(lambda: monitor_pass(store, r.cfg)),
+
+    def monitor_job() -> None:
+        log_actions(monitor_pass(store, r.cfg))
+
+    scheduler.add_job(lambda: outage.attempt(monitor_job),
                       IntervalTrigger(seconds=r.cfg.fleet.monitor_every), id="monitor", max_instances=1, coalesce=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -154,7 +169,7 @@ def run(
     # wait for a job under way: a launch finishing after stop_all() would leave its shift behind
     scheduler.shutdown(wait=True)
     launcher.stop_all()
-    outage.attempt(lambda: monitor_pass(store, r.cfg))
+    outage.attempt(monitor_job)
     # plain print: rich would wrap a long line at the console width and break the JSON
     print(json.dumps({"launched": launcher.launched, "max_concurrent": launcher.max_seen}), flush=True)
 
