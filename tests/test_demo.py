@@ -56,9 +56,9 @@ def test_fleet_up_demo_finishes_and_its_hint_is_how_fleet_was_run(db_url: str, t
     up = subprocess.run([sys.executable, "-m", "monitor.cli", "up", "--demo", "--timeout", "240"], cwd=tmp_path,
                         env=env, capture_output=True, text=True, timeout=300)
     assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
-    hint = re.search(r"Try `uv run fleet tasks` and `uv run fleet show (demo:\w+:7)`", up.stdout)
+    hint = re.search(r"Try:\n  uv run fleet tasks\n  uv run fleet show (demo:\w+:7)\n", up.stdout)
     assert hint is not None, up.stdout[-1000:]
-    assert "`fleet " not in up.stdout  # every command it names is the way it was run
+    assert "`fleet " not in up.stdout and "\n  fleet " not in up.stdout  # every command it names is the way it was run
     show = subprocess.run([sys.executable, "-m", "monitor.cli", "show", hint[1]], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
     assert show.returncode == 0 and hint[1] in show.stdout, show.stderr

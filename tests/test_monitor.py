@@ -666,3 +666,14 @@ def test_crontab_monitor_schedule(tmp_path, every, fields):
                           lock_dir=tmp_path / "cron")
     (mon,) = [ln for ln in lines if " monitor " in ln]
     assert " ".join(mon.split()[:5]) == fields, mon
+
+
+def test_a_finding_of_fleet_up_is_one_short_line():
+    from monitor.cli.run import finding
+    from worker.models import RepairAction
+
+    released = RepairAction(action="released", lane="docs", task_id=4, session_id=None,
+                            detail={"reason": "lease-expired", "state": "queued"})
+    assert finding(released) == "monitor: released, lane docs, task 4 (lease-expired)"
+    idle = RepairAction(action="idle_capacity", lane="review", task_id=None, session_id=None, detail={"ready": 2})
+    assert finding(idle) == "monitor: idle_capacity, lane review"

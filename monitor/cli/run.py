@@ -39,6 +39,13 @@ def actions_table(actions: list[RepairAction]) -> FitTable:
     return table
 
 
+def finding(a: RepairAction) -> str:
+    """A monitor action as one short line: ``monitor: released, lane docs, task 4 (lease-expired)``."""
+    why = a.detail.get("reason") if a.detail else None
+    return (f"monitor: {a.action}" + (f", lane {a.lane}" if a.lane else "")
+            + (f", task {a.task_id}" if a.task_id is not None else "") + (f" ({why})" if why else ""))
+
+
 def log_actions(actions: list[RepairAction]) -> None:
     """What a monitor pass of `fleet run` did and found, a log line each (as `fleet monitor`
     prints them in a table): repairs, stalls, idle capacity."""
@@ -326,6 +333,7 @@ def up(
     with contextlib.ExitStack() as stopping, Live(console=console, refresh_per_second=4, transient=True) as live:
         stopping.callback(launcher.stop_all)
         outage = Outage(r.database, lambda line: live.console.print(line, highlight=False, markup=False))
+        said: set[tuple[str, str | None, int | None]] = set()  # each finding once (a stall lasts passes)
         while not stop.is_set():
             try:
                 ready = {row["lane"]: row["ready"] for row in store.query("ready_by_lane")}
@@ -333,7 +341,10 @@ def up(
                     if ready.get(lane) and launcher.count(lane) == 0:
                         launcher.launch(lane, ["--once"] if demo else [])
                 if time.monotonic() >= next_monitor:
-                    monitor_pass(store, r.cfg)
+                    for a in monitor_pass(store, r.cfg):
+                        if (a.action, a.lane, a.task_id) not in said:
+                            said.add((a.action, a.lane, a.task_id))
+                            live.console.print(finding(a), highlight=False, markup=False)
                     next_monitor = time.monotonic() + monitor_every
                 rows = summary()
                 live.update(summary_table(rows, f"lanefleet — {time.monotonic() - started:.0f}s"))
@@ -379,5 +390,6 @@ def up(
     if not finished:
         raise InvalidInput(f"the demo did not finish within {timeout:.0f}s ({ending}); "
                            f"see {r.cfg.path(r.cfg.fleet.home) / 'logs'}")
-    console.print(f"demo finished in {took}: {ending}. Try `{fleet} tasks` and `{fleet} show {prefix}7`.",
+    # the commands a line each: wrapped inside one, they would not paste
+    console.print(f"demo finished in {took}: {ending}. Try:\n  {fleet} tasks\n  {fleet} show {prefix}7",
                   highlight=False)
