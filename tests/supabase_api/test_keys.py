@@ -95,7 +95,8 @@ def test_inspect(app: typer.Typer) -> None:
     assert info["expired"] is True and info["lanes"] == "every lane" and res.exit_code == 1
     plain = invoke(app, ["keys", "inspect", token])
     assert "fleet_worker" in plain.stdout and plain.exit_code == 0
-    assert "lanes         lane docs\n" in plain.stdout, plain.stdout  # a sentence, not a Python list
+    assert "lanes         docs\n" in plain.stdout, plain.stdout  # a list as words, not a Python list
+    assert "expired       no\n" in plain.stdout, plain.stdout  # not a Python bool
     bad = invoke(app, ["keys", "inspect", "not.a.jwt"])
     assert isinstance(bad.exception, InvalidInput)
 

@@ -61,6 +61,15 @@ def _check_lanes(ctx: typer.Context, lanes: list[str]) -> None:
             "or give that file with fleet --config FILE")
 
 
+def _shown(name: str, value: object) -> str:
+    """A claim of ``keys inspect`` as its table shows it: lanes as a list, yes or no, - for none."""
+    if name == "lanes" and isinstance(value, list):
+        return "every lane" if "*" in value else ", ".join(value) or "none"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return "-" if value is None else str(value)
+
+
 def _lanes_said(lanes: list[str] | str | None) -> str:
     """A key's lanes as a sentence says them: 'every lane', 'lane docs', 'lanes docs, bugfix'."""
     if isinstance(lanes, str):
@@ -88,8 +97,7 @@ def inspect(
         print(json.dumps(info, indent=2))
     else:
         for name, value in info.items():
-            shown = _lanes_said(value) if name == "lanes" else value
-            print(f"{name:13} {shown if shown is not None else '-'}")
+            print(f"{name:13} {_shown(name, value)}")
     # exit 1 for a key that would be refused: a script can ask `fleet keys inspect` first
     if info["signature"] == "invalid" or info["expired"]:
         raise typer.Exit(1)
