@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -275,6 +276,16 @@ def test_show_says_a_done_tasks_last_error_is_history(db_url: str, config: Path,
                 store.complete(task_id, task.lease_token)
     out = " ".join(ok(fleet("show", str(task_id), url=db_url, config=config, cwd=home)).split())
     assert "last error (an earlier attempt's; it is done): the network went away" in out, out
+
+
+def test_show_says_when_a_task_deferred_may_run(db_url: str, config: Path, home: Path) -> None:
+    synced_store(db_url, config).close()
+    task_id = ok(fleet("enqueue", "docs", "--key", "later", "--run-at", "+10m", url=db_url, config=config,
+                       cwd=home)).strip()
+    out = ok(fleet("show", task_id, url=db_url, config=config, cwd=home))
+    assert re.search(r"^not before \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ \(in (9m\d\ds|10m00s)\)$", out, re.M), out
+    now = ok(fleet("enqueue", "docs", "--key", "now", url=db_url, config=config, cwd=home)).strip()
+    assert "not before" not in ok(fleet("show", now, url=db_url, config=config, cwd=home))
 
 
 def test_lanes_sync_names_pools_and_profiles_as_what_they_are(db_url: str, home: Path) -> None:

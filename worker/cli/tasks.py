@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -20,7 +21,7 @@ from worker.cli.context import (
     rt,
 )
 from worker.errors import InvalidInput
-from worker.tables import Col, FitTable, print_table
+from worker.tables import Col, FitTable, fmt_secs, print_table
 
 if TYPE_CHECKING:
     from worker.models import Run
@@ -148,6 +149,9 @@ def show(ctx: typer.Context, ref: TaskRef, lane: KeyLaneOpt = None, as_json: Jso
         console.print(f"title: {escape(task.title)}")
     console.print(f"attempts {task.attempts}  failures {task.failures}  evaporations {task.evaporations}"
                   f"  handoffs {task.handoffs}  priority {task.priority}")
+    waits = (task.run_at - datetime.now(UTC)).total_seconds()
+    if task.state == "queued" and waits > 0:  # --run-at, --delay, a retry's backoff, a deferral
+        console.print(f"not before {task.run_at.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ} (in {fmt_secs(waits)})")
     if task.dead_reason:
         console.print(f"dead: {escape(task.dead_reason)}")
     if task.last_error:
