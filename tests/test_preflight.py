@@ -83,7 +83,8 @@ instructions = "lane_instructions/good.md"
     path = str(tmp_path / "empty")
     problems = {lane: [str(p) for p in lane_problems(cfg, lane, path=lambda _: path, host="h1")] for lane in cfg.lanes}
     assert problems["bad"] == [
-        f"lanes.bad.instructions: {tmp_path / 'docs' / 'missing.md'} does not exist",
+        f"lanes.bad.instructions: {tmp_path / 'docs' / 'missing.md'} does not exist (a relative path is "
+        f"relative to the config's folder, {tmp_path})",
         "lanes.bad.hidden_files: no hidden-file set 'clade' in "
         f"{Path(__file__).resolve().parents[1] / 'hidden_files'} (sets: claude, fleet)",
         "lanes.bad.command: the agent program 'no-such-agent-anywhere' is not on PATH on host h1",
@@ -99,7 +100,10 @@ instructions = "lane_instructions/good.md"
     cfg2 = load_config(write_fleet_toml(tmp_path / "two.toml", tmp_path / "ws", {"nodoc": lane_defaults()}),
                        environ={})
     [missing] = lane_problems(cfg2, "nodoc", host="h1")
-    assert missing.field == "lanes.nodoc.instructions" and "the default" in missing.what
+    # (both places it looked: beside the config, and lanefleet's own)
+    assert missing.field == "lanes.nodoc.instructions" and missing.what == (
+        f"no {tmp_path / 'lane_instructions' / 'nodoc.md'} and no instructions of lanefleet's own for a lane "
+        "'nodoc' (give `instructions`, or write that file)")
 
 
 # ------------------------------------------------------------------------------------------------

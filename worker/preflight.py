@@ -85,8 +85,13 @@ def lane_problems(cfg: FleetConfig, lane: str, *, path: Callable[[str], str | No
     instructions = cfg.instructions_path(lane)
     field = f"lanes.{lane}.instructions"
     if not instructions.exists():
-        default = " (the default: give `instructions`, or write that file)" if cfg_lane.instructions is None else ""
-        found.append(Problem(field, f"{instructions} does not exist{default}"))
+        if cfg_lane.instructions is None:  # neither beside the config nor among lanefleet's own
+            beside = cfg.base_dir / "lane_instructions" / f"{lane}.md"
+            found.append(Problem(field, f"no {beside} and no instructions of lanefleet's own for a lane {lane!r} "
+                                        f"(give `instructions`, or write that file)"))
+        else:
+            found.append(Problem(field, f"{instructions} does not exist (a relative path is relative to "
+                                        f"the config's folder, {cfg.base_dir})"))
     elif not instructions.is_file() or not os.access(instructions, os.R_OK):
         found.append(Problem(field, f"{instructions} is not a readable file"))
     sets = resource_dir("hidden_files")
