@@ -645,3 +645,11 @@ def test_the_queries_file_is_well_formed() -> None:
     for name, sql in named.items():
         assert sql.rstrip().endswith(";") and "-- name" not in sql, name
 
+
+
+def test_stats_of_an_empty_window_says_so(db_url: str, home: Path) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("select fleet.sync_lane('docs', '{}')")
+    out = ok(run_fleet("stats", url=db_url, home=home))
+    assert "no run ended in this window" in out, out
+    assert "done: tasks or stages" not in out, out

@@ -164,7 +164,8 @@ def render_stats(data: dict[str, Any], wide: bool = False) -> RenderableType:
     since: datetime = data["since"]
     # the three tables count a routed task differently: say how, where a number is read
     usage = FitTable(_USAGE, title=f"usage since {since:%Y-%m-%d %H:%M} UTC", wide=wide,
-                     caption="done: tasks or stages finished in the lane")
+                     caption="done: tasks or stages finished in the lane" if data["usage"]
+                     else "no run ended in this window")
     for row in data["usage"]:
         usage.add_row(*_usage_row(row, str(row["day"]), escape(row["lane"])))
     # a lane's total where it has more than one day, and the fleet's over more than one row: a
