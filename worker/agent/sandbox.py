@@ -15,7 +15,8 @@ halves keep the fleet's credentials out of its reach:
   embedded database, the dev stack's keys, logs), the workspaces root (every other task), the git
   cache, ``PGPASSFILE``; its own workspace read-write; the shift's guard socket, so that ``fleet
   guard`` works; the lane's repository mirror read-write (commits go there) but for the file that
-  holds origin's URL (it may carry a token; the shift fetches and pushes); the shift's Python
+  holds origin's URL (it may carry a token; the shift fetches and pushes) and its git control
+  files, read-only (worker.workspace.git.agent_binds: the shift's git trusts them); the shift's Python
   and lanefleet read-only where they were under something hidden. The network is kept: agents
   call their APIs.
 
