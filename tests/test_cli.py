@@ -250,6 +250,8 @@ def test_show_cancel_retry(db_url: str, config: Path, home: Path) -> None:
 
     assert f"task {task_id}: cancelled" in ok(fleet("cancel", "issue:9", url=db_url, config=config, cwd=home))
     assert task_row(db_url, task_id)["state"] == "cancelled"  # type: ignore[index]
+    again = ok(fleet("cancel", "issue:9", url=db_url, config=config, cwd=home))
+    assert again.strip() == f"task {task_id}: already cancelled", again
     assert f"task {task_id}: queued" in ok(fleet("retry", str(task_id), url=db_url, config=config, cwd=home))
     assert task_row(db_url, task_id)["state"] == "queued"  # type: ignore[index]
 

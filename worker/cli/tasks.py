@@ -224,10 +224,12 @@ def run_lines(r: Run, width: int = 80) -> list[str]:
 
 
 def cancel(ctx: typer.Context, ref: TaskRef, lane: KeyLaneOpt = None) -> None:
-    """Cancel a queued or running task (a running agent stops at its next heartbeat)."""
+    """Cancel a queued, running, blocked or ci task (a running agent stops at its next heartbeat)."""
     store = rt(ctx).store()
     task = store.get_task(ref, lane)
-    console.print(f"task {task.id}: {store.cancel(task.id)}")
+    state = store.cancel(task.id)
+    # (cancelling a cancelled task changes nothing: said, not shown as if it had just happened)
+    console.print(f"task {task.id}: {'already cancelled' if task.state == state == 'cancelled' else state}")
 
 
 def retry(ctx: typer.Context, ref: TaskRef, lane: KeyLaneOpt = None) -> None:
