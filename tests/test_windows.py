@@ -13,8 +13,11 @@ from fleetkit import AGENT, Backend, Fleet, lane_defaults
 def test_claims_spill_to_the_second_pool_before_the_first_windows_budget_is_crossed(db_url: str,
                                                                                     tmp_path: Path) -> None:
     script = "steps=1,sleep=0.05,tokens=100"
-    profiles = {"first": {"command": [*AGENT, "--script", script], "agent": "claude", "pool": "first"},
-                "second": {"command": [*AGENT, "--script", script], "agent": "claude", "pool": "second"}}
+    # (no sandbox: these test the windows, test_agent_sandbox.py the sandbox, which needs bwrap)
+    profiles = {"first": {"command": [*AGENT, "--script", script], "agent": "claude", "pool": "first",
+                          "sandbox": "none"},
+                "second": {"command": [*AGENT, "--script", script], "agent": "claude", "pool": "second",
+                           "sandbox": "none"}}
     # a task records ~1,850 tokens here (the scripted agent's usage at tokens=100)
     pools = {"first": {"slots": 4, "reserve": 0.0,
                        "windows": {"five_hour": {"hours": 5, "budget_tokens": 4_000}}},
@@ -48,7 +51,8 @@ def test_the_providers_reading_in_a_real_run_corrects_the_estimate(db_url: str, 
     """Claude Code's rate_limit_event (as the scripted agent prints it, in the shape of a real
     capture) lands in fleet.pool_window_readings; the window's figure is then the provider's."""
     script = "steps=3,sleep=0.05,tokens=100,window_warning_at_step=1,window_warning_type=five_hour,window_warning_utilization=0.6"
-    profiles = {"claude": {"command": [*AGENT, "--script", script], "agent": "claude", "pool": "max"}}
+    profiles = {"claude": {"command": [*AGENT, "--script", script], "agent": "claude", "pool": "max",
+                           "sandbox": "none"}}  # (as above)
     pools = {"max": {"slots": 2, "windows": {"five_hour": {"hours": 5, "budget_tokens": 1_000_000}}}}
     lane = lane_defaults(profile="claude")
     del lane["command"]
