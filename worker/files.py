@@ -20,6 +20,7 @@ import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: the most a file read back from a workspace may hold (a checkpoint, a route, an attention note)
@@ -96,43 +97,42 @@ def write_atomic(root: Path, path: Path, text: str | bytes) -> None:
     _write(root, path, text if isinstance(text, bytes) else text.encode(), 0o644)
 
 
+@contextmanager
+def _regular(name: str | Path, shown: Path, *, dir_fd: int | None = None) -> Iterator[BinaryIO]:
+    """``name`` (relative to ``dir_fd`` when given) open for reading: never through a link at its
+    name, never waiting on a FIFO, a regular file (else :class:`UnsafeFile`, naming ``shown``)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeFile(exc.errno, f"{shown} is a symbolic link") from None
+        raise
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafeFile(errno.EINVAL, f"{shown} is not a regular file")
+        yield fh
+
+
 def read_text(root: Path, path: Path, limit: int = READ_LIMIT) -> str:
     """``path`` (under ``root``) as text: FileNotFoundError when absent, :class:`UnsafeFile` when a
     link is on the way, it is not a regular file (a FIFO is never waited on) or it holds more than
     ``limit`` bytes."""
     *folders, name = _parts(root, path)
-    with _folder(root, folders, create=False) as d:
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise UnsafeFile(exc.errno, f"{path} is a symbolic link") from None
-            raise
-        with os.fdopen(fd, "rb") as fh:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise UnsafeFile(errno.EINVAL, f"{path} is not a regular file")
-            data = fh.read(limit + 1)
+    with _folder(root, folders, create=False) as d, _regular(name, path, dir_fd=d) as fh:
+        data = fh.read(limit + 1)
     if len(data) > limit:
         raise UnsafeFile(errno.EFBIG, f"{path} holds more than {limit} bytes")
     return data.decode(errors="replace")
 
 
 def read_tail(path: Path, limit: int) -> tuple[bytes, int]:
-    """The last ``limit`` bytes of a regular file and its size, opened without following a link
-    at its name and without waiting on a FIFO (:class:`UnsafeFile`): for a file an agent's CLI
+    """The last ``limit`` bytes of a regular file and its size, opened as :func:`read_text` opens
+    its file (never through a link at its name, never waiting on a FIFO): for a file an agent's CLI
     kept in the task's HOME (Codex's rollout)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafeFile(exc.errno, f"{path} is a symbolic link") from None
-        raise
-    with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafeFile(errno.EINVAL, f"{path} is not a regular file")
-        fh.seek(max(0, st.st_size - limit))
-        return fh.read(limit), st.st_size
+    with _regular(path, path) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        fh.seek(max(0, size - limit))
+        return fh.read(limit), size
 
 
 def lstat(root: Path, path: Path) -> os.stat_result:
