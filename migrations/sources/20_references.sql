@@ -1,75 +1,108 @@
--- A task's lane, checked once per statement (#24).
+-- A task's lane and profile, checked once per statement (#24).
 --
 -- A foreign key checks each row it writes with a query of its own (an RI trigger per row, run
--- through SPI): an enqueue_many of 1,000 tasks made a thousand of them for the lanes. The
--- triggers below hold the rule of the foreign key tasks.lane -> lanes.name (on update cascade)
--- that they replace, and take its lock (FOR KEY SHARE of each lane named, so that a delete of it
--- waits for the writer to commit), but look at a statement's rows together (its transition
--- table): two queries per statement. The other side, a delete or a rename of a lane, is a trigger
--- too. Nothing in lanefleet deletes or renames a lane (it retires one); those triggers answer what
--- a person's SQL does, as the key did.
+-- through SPI): an enqueue_many of 1,000 tasks made a thousand of them for the lanes, and queued
+-- and ran a thousand more for the profiles, most of them NULL. The triggers below hold the rules
+-- of the foreign keys they replace, tasks.lane -> lanes.name and tasks.profile -> profiles.name
+-- (both on update cascade), and take their lock (FOR KEY SHARE of each lane and profile named, so
+-- that a delete of one waits for the writer to commit), but look at a statement's rows together
+-- (its transition table): one query counts what they name, one locks the lanes, one the profiles
+-- (only when a task names one). The other side, a delete or a rename of a lane or a profile, is a
+-- trigger too. Nothing in lanefleet deletes or renames either (it retires a lane, and keeps every
+-- profile fleet.toml ever named); those triggers answer what a person's SQL does, as the keys did.
 --
---   lane_known          new tasks: each one's lane is a row of fleet.lanes
---   lane_changed        a task that changed lanes (a route, a rename): its new lane
---   tasks_keep_lane     a lane with tasks is not deleted
---   tasks_follow_rename a renamed lane's tasks follow it
+--   references_known       new tasks: each one's lane is a row of fleet.lanes, its profile
+--                          (if any) one of fleet.profiles
+--   references_changed     a task whose lane or profile changed (a route, a rename): its new ones
+--   tasks_keep_lane        a lane with tasks is not deleted
+--   tasks_follow_rename    a renamed lane's tasks follow it
+--   tasks_keep_profile     a profile tasks name is not deleted
+--   tasks_follow_profile   a renamed profile's tasks follow it
 --
 -- The same change for the runs' task and session (runs.task_id, runs.session_id) measured no
 -- faster: a claim writes 1 to 100 runs, and a trigger's fixed cost per statement ate what the
 -- per-row checks cost (bench/README.md, "#24, continued: a task's lane checked per statement").
 
--- new tasks (a statement's, new_rows): each one's lane. The lanes named are locked and counted in
--- one query; only a statement that names a missing one looks for it.
-create or replace function fleet._tasks_lanes_known()
+-- new tasks (a statement's, new_rows): each one's lane and profile. What they name is counted in
+-- one pass and locked in one query per table; only a statement that names a missing one looks
+-- for it.
+create or replace function fleet._tasks_references_known()
 returns trigger
 language plpgsql
 security definer set search_path = pg_catalog, fleet, pg_temp
 as $$
 declare
-    v_named bigint;
+    v_lanes bigint;
+    v_profiles bigint;
     v_there bigint;
-    v_lane text;
+    v_name text;
 begin
-    select count(distinct n.lane) into v_named from new_rows n;
+    select count(distinct n.lane), count(distinct n.profile) into v_lanes, v_profiles from new_rows n;
     perform 1 from fleet.lanes l where l.name in (select n.lane from new_rows n) for key share of l;
     get diagnostics v_there = row_count;
-    if v_there < v_named then
-        select n.lane into v_lane
+    if v_there < v_lanes then
+        select n.lane into v_name
           from new_rows n
          where not exists (select 1 from fleet.lanes l where l.name = n.lane)
          limit 1;
         raise exception using errcode = 'foreign_key_violation',
-            message = format('fleet.tasks: lane %L names no row of fleet.lanes', v_lane),
+            message = format('fleet.tasks: lane %L names no row of fleet.lanes', v_name),
             schema = 'fleet', table = 'tasks', column = 'lane';
+    end if;
+    if v_profiles > 0 then
+        perform 1 from fleet.profiles p where p.name in (select n.profile from new_rows n) for key share of p;
+        get diagnostics v_there = row_count;
+        if v_there < v_profiles then
+            select n.profile into v_name
+              from new_rows n
+             where n.profile is not null
+               and not exists (select 1 from fleet.profiles p where p.name = n.profile)
+             limit 1;
+            raise exception using errcode = 'foreign_key_violation',
+                message = format('fleet.tasks: profile %L names no row of fleet.profiles', v_name),
+                schema = 'fleet', table = 'tasks', column = 'profile';
+        end if;
     end if;
     return null;
 end
 $$;
-revoke all on function fleet._tasks_lanes_known() from public;
-grant execute on function fleet._tasks_lanes_known() to service_role;
-create or replace trigger lane_known after insert on fleet.tasks
-    referencing new table as new_rows for each statement execute function fleet._tasks_lanes_known();
+revoke all on function fleet._tasks_references_known() from public;
+grant execute on function fleet._tasks_references_known() to service_role;
+create or replace trigger references_known after insert on fleet.tasks
+    referencing new table as new_rows for each statement execute function fleet._tasks_references_known();
 
--- a task that changed lanes (a route, a lane's rename): its new lane
-create or replace function fleet._task_lane_known()
+-- a task whose lane or profile changed (a route, a rename): its new ones
+create or replace function fleet._task_references_known()
 returns trigger
 language plpgsql
 security definer set search_path = pg_catalog, fleet, pg_temp
 as $$
 begin
-    perform 1 from fleet.lanes l where l.name = new.lane for key share of l;
-    if not found then
-        raise exception using errcode = 'foreign_key_violation',
-            message = format('fleet.tasks: lane %L names no row of fleet.lanes', new.lane),
-            schema = 'fleet', table = 'tasks', column = 'lane';
+    if new.lane is distinct from old.lane then
+        perform 1 from fleet.lanes l where l.name = new.lane for key share of l;
+        if not found then
+            raise exception using errcode = 'foreign_key_violation',
+                message = format('fleet.tasks: lane %L names no row of fleet.lanes', new.lane),
+                schema = 'fleet', table = 'tasks', column = 'lane';
+        end if;
+    end if;
+    if new.profile is distinct from old.profile and new.profile is not null then
+        perform 1 from fleet.profiles p where p.name = new.profile for key share of p;
+        if not found then
+            raise exception using errcode = 'foreign_key_violation',
+                message = format('fleet.tasks: profile %L names no row of fleet.profiles', new.profile),
+                schema = 'fleet', table = 'tasks', column = 'profile';
+        end if;
     end if;
     return null;
 end
 $$;
-revoke all on function fleet._task_lane_known() from public;
-grant execute on function fleet._task_lane_known() to service_role;
-create or replace trigger lane_changed after update of lane on fleet.tasks
-    for each row when (old.lane is distinct from new.lane) execute function fleet._task_lane_known();
+revoke all on function fleet._task_references_known() from public;
+grant execute on function fleet._task_references_known() to service_role;
+create or replace trigger references_changed after update of lane, profile on fleet.tasks
+    for each row when (old.lane is distinct from new.lane
+                       or (old.profile is distinct from new.profile and new.profile is not null))
+    execute function fleet._task_references_known();
 
 -- a lane with tasks is never deleted (retire it: fleet.retire_lane); a renamed lane's tasks follow
 create or replace function fleet._lane_deleted()
@@ -107,3 +140,41 @@ revoke all on function fleet._lane_renamed() from public;
 grant execute on function fleet._lane_renamed() to service_role;
 create or replace trigger tasks_follow_rename after update of name on fleet.lanes
     for each row when (old.name is distinct from new.name) execute function fleet._lane_renamed();
+
+-- a profile that tasks name is never deleted (a task dispatches with it, and its runs are counted
+-- by it); a renamed profile's tasks follow it
+create or replace function fleet._profile_deleted()
+returns trigger
+language plpgsql
+security definer set search_path = pg_catalog, fleet, pg_temp
+as $$
+begin
+    -- (no index of tasks by profile: as the key's check, a scan; nothing in lanefleet deletes one.
+    -- The row is locked by now, so an enqueue in flight has committed.)
+    if exists (select 1 from fleet.tasks t where t.profile = old.name) then
+        raise exception using errcode = 'foreign_key_violation',
+            message = format('fleet.profiles: profile %L is named by tasks, so it is not deleted', old.name),
+            schema = 'fleet', table = 'profiles', column = 'name';
+    end if;
+    return old;
+end
+$$;
+revoke all on function fleet._profile_deleted() from public;
+grant execute on function fleet._profile_deleted() to service_role;
+create or replace trigger tasks_keep_profile before delete on fleet.profiles
+    for each row execute function fleet._profile_deleted();
+
+create or replace function fleet._profile_renamed()
+returns trigger
+language plpgsql
+security definer set search_path = pg_catalog, fleet, pg_temp
+as $$
+begin
+    update fleet.tasks t set profile = new.name where t.profile = old.name;
+    return null;
+end
+$$;
+revoke all on function fleet._profile_renamed() from public;
+grant execute on function fleet._profile_renamed() to service_role;
+create or replace trigger tasks_follow_profile after update of name on fleet.profiles
+    for each row when (old.name is distinct from new.name) execute function fleet._profile_renamed();
