@@ -216,10 +216,15 @@ begin
     loop
         begin
             with e as materialized (
+                -- (the key compares as fleet.tasks.key does, byte by byte: collation "C"; what
+                -- every element is asked for is taken out of it here, once: each read of x.t from
+                -- a materialized row copies it)
                 select (x.ord - 1)::int as idx, x.t,
-                       case when jsonb_typeof(x.t -> 'key') = 'string' then x.t ->> 'key' end as key,
+                       (case when jsonb_typeof(x.t -> 'key') = 'string' then x.t ->> 'key' end) collate "C" as key,
                        coalesce(case when jsonb_typeof(x.t -> 'lane') = 'string' then x.t ->> 'lane' end,
-                                p_lane) as lane
+                                p_lane) as lane,
+                       x.t -> 'payload' as payload,
+                       x.t ?| v_optional as opt  -- names a field past key, lane and payload
                   from jsonb_array_elements(p_tasks) with ordinality x(t, ord)
             ), named as materialized (
                 -- the lanes named, FOR KEY SHARE (as fleet._lane): a retire in flight is waited
@@ -232,12 +237,13 @@ begin
                  where l.name in (select e.lane from e)
                    for key share of l
             ), c as materialized (
-                select e.idx, e.t, e.key, e.lane, coalesce(h.here, h.moved) as holder,
+                select e.idx, e.t, e.key, e.lane, e.payload, e.opt, coalesce(h.here, h.moved) as holder,
                        case when h.here is not null then e.lane
                             when h.moved is not null then (select t.lane from fleet.tasks t where t.id = h.moved)
                        end as holder_lane,
                        case when v_times then
-                           case when jsonb_typeof(e.t -> 'run_at') = 'string' then (e.t ->> 'run_at')::timestamptz
+                           case when not e.opt then now()
+                                when jsonb_typeof(e.t -> 'run_at') = 'string' then (e.t ->> 'run_at')::timestamptz
                                 when jsonb_typeof(e.t -> 'delay_seconds') = 'number'
                                     then now() + make_interval(secs => (e.t ->> 'delay_seconds')::double precision)
                                 else now() end
@@ -252,11 +258,11 @@ begin
                            when length(e.key) not between 1 and 200 then 'key_length'
                            when n.name is null then 'lane_unknown'
                            when n.retired then 'lane_retired'
-                           when coalesce(jsonb_typeof(e.t -> 'payload'), 'null') not in ('object', 'null') then 'payload'
-                           when jsonb_typeof(e.t -> 'payload') = 'object'
-                                and octet_length((e.t -> 'payload')::text) > n.max_bytes then 'payload_size'
+                           when coalesce(jsonb_typeof(e.payload), 'null') not in ('object', 'null') then 'payload'
+                           when jsonb_typeof(e.payload) = 'object'
+                                and octet_length(e.payload::text) > n.max_bytes then 'payload_size'
                            -- (an element of key, lane and payload only, the most common, is done)
-                           when not (e.t ?| v_optional) then null
+                           when not e.opt then null
                            when coalesce(jsonb_typeof(e.t -> 'title'), 'null') not in ('string', 'null') then 'title'
                            when coalesce(jsonb_typeof(e.t -> 'priority'), 'null') not in ('number', 'null')
                                 then 'priority_type'
@@ -328,14 +334,16 @@ begin
                 insert into fleet.tasks as t (id, journal_id, lane, key, title, payload, priority, run_at,
                                               max_attempts, tier, profile, max_cost_usd, max_tokens)
                 overriding system value
-                select f.new_id, f.journal_id, f.lane, f.key, f.t ->> 'title',
-                       case when jsonb_typeof(f.t -> 'payload') = 'object' then f.t -> 'payload' else '{}' end,
-                       coalesce((f.t ->> 'priority')::numeric::int, 0), f.run_at,
-                       (f.t ->> 'max_attempts')::numeric::int,
+                select f.new_id, f.journal_id, f.lane, f.key, case when f.opt then f.t ->> 'title' end,
+                       case when jsonb_typeof(f.payload) = 'object' then f.payload else '{}' end,
+                       coalesce(case when f.opt then (f.t ->> 'priority')::numeric::int end, 0), f.run_at,
+                       case when f.opt then (f.t ->> 'max_attempts')::numeric::int end,
                        -- no tier named: the lane's default, as enqueue_task stores it
-                       coalesce(f.t ->> 'tier', (select n.default_tier from named n where n.name = f.lane)),
-                       f.t ->> 'profile',
-                       (f.t ->> 'max_cost_usd')::numeric, (f.t ->> 'max_tokens')::numeric::bigint
+                       coalesce(case when f.opt then f.t ->> 'tier' end,
+                                (select n.default_tier from named n where n.name = f.lane)),
+                       case when f.opt then f.t ->> 'profile' end,
+                       case when f.opt then (f.t ->> 'max_cost_usd')::numeric end,
+                       case when f.opt then (f.t ->> 'max_tokens')::numeric::bigint end
                   from fresh f
                  where f.new_id is not null
                  order by f.key, f.lane, f.idx
