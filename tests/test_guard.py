@@ -257,18 +257,18 @@ def test_guard_server_socket_is_private_short_and_removed_on_stop(deep_tmp: Path
         assert len(str(sock)) <= 100 and not str(sock).startswith(str(deep_tmp))
         assert stat.S_IMODE(sock.stat().st_mode) == 0o600
         assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
-        env = server.agent_env(uuid.UUID(int=7), "/usr/bin")
+        env = server.agent_env(1, uuid.UUID(int=7), "/usr/bin")
         assert env["FLEET_GUARD_SOCKET"] == str(sock)
         assert env["FLEET_LEASE_TOKEN"] == str(uuid.UUID(int=7))
         assert env["PATH"] == f"{sock.parent / 'bin'}{os.pathsep}/usr/bin"
-        assert server.agent_env(None, None)["PATH"] == f"{sock.parent / 'bin'}{os.pathsep}{os.defpath}"
+        assert server.agent_env(None, None, None)["PATH"] == f"{sock.parent / 'bin'}{os.pathsep}{os.defpath}"
         assert os.path.realpath(sock.parent / "bin" / "fleet") == os.path.realpath(env["FLEET_BIN"])
         assert ask(str(sock), 1, str(uuid.UUID(int=7)), 5) == {"held": True, "state": "running", "valid_for": 30.0,
                                                               "token_matches": True, "error": None}
     finally:
         server.stop()
     assert not sock.exists() and not sock.parent.exists()
-    assert server.agent_env(None, None)["FLEET_GUARD_SOCKET"] == ""
+    assert server.agent_env(None, None, None)["FLEET_GUARD_SOCKET"] == ""
     server.stop()  # idempotent
 
 
@@ -278,6 +278,7 @@ def test_guard_passes_the_command_through_when_held(tmp_path: Path) -> None:
     server.start()
     try:
         marker, token = tmp_path / "marker", uuid.uuid4()
+        server.agent_env(9, token, None)
         env = bare_env(FLEET_TASK_ID="9", FLEET_LEASE_TOKEN=str(token), FLEET_GUARD_SOCKET=str(tmp_path / "g.sock"))
         p = fleet_guard("--", *write_marker(marker, 3), env=env)
         assert (p.returncode, p.stdout, p.stderr) == (3, "ran\n", "")
@@ -315,9 +316,9 @@ def test_guard_refuses_when_not_held_or_unknown(tmp_path: Path, answer: Any, cod
     server = GuardServer(FakeStore(answer), tmp_path / "g.sock")  # type: ignore[arg-type]
     server.start()
     try:
-        marker = tmp_path / "marker"
-        env = bare_env(FLEET_TASK_ID="12", FLEET_LEASE_TOKEN=str(uuid.uuid4()),
-                       FLEET_GUARD_SOCKET=str(tmp_path / "g.sock"))
+        marker, token = tmp_path / "marker", uuid.uuid4()
+        server.agent_env(12, token, None)
+        env = bare_env(FLEET_TASK_ID="12", FLEET_LEASE_TOKEN=str(token), FLEET_GUARD_SOCKET=str(tmp_path / "g.sock"))
         p = fleet_guard("--", *write_marker(marker), env=env)
         assert p.returncode == code
         assert p.stderr.startswith(f"fleet guard: task 12: {says}"), p.stderr
@@ -327,14 +328,43 @@ def test_guard_refuses_when_not_held_or_unknown(tmp_path: Path, answer: Any, cod
         server.stop()
 
 
+def test_guard_answers_only_for_the_leases_its_shift_gave_and_asks_nothing_else(tmp_path: Path) -> None:
+    # an agent holding task 12's lease asks of another task, or of task 12 under another token: the
+    # guard says nothing of them (the database is not asked) and the command is not run
+    store = FakeStore(LeaseAnswer(False, "done", 0.0, False))
+    server = GuardServer(store, tmp_path / "g.sock")  # type: ignore[arg-type]
+    server.start()
+    try:
+        mine, other = uuid.uuid4(), uuid.uuid4()
+        server.agent_env(12, mine, None)
+        server.agent_env(13, other, None)  # another agent's lease of this shift
+        marker = tmp_path / "marker"
+        for task, token in (("13", mine), ("12", other), ("14", mine), ("12", uuid.uuid4())):
+            env = bare_env(FLEET_TASK_ID=task, FLEET_LEASE_TOKEN=str(token), FLEET_GUARD_SOCKET=str(tmp_path / "g.sock"))
+            p = fleet_guard("--", *write_marker(marker), env=env)
+            assert p.returncode == EX_NOPERM, (task, p.stderr)
+            assert p.stderr.startswith(f"fleet guard: task {task}: this shift gave no lease of this task under "
+                                       "that token"), p.stderr
+            answer = ask(str(tmp_path / "g.sock"), int(task), str(token), 5)
+            assert answer == {"held": False, "state": "not_given", "valid_for": 0.0, "token_matches": False,
+                              "error": None}
+        assert store.calls == [] and not marker.exists()
+        p = fleet_guard("--", *write_marker(marker), env=bare_env(
+            FLEET_TASK_ID="12", FLEET_LEASE_TOKEN=str(mine), FLEET_GUARD_SOCKET=str(tmp_path / "g.sock")))
+        assert p.returncode == EX_NOPERM and "lease lost: the task is done now" in p.stderr
+        assert store.calls == [(12, mine)]
+    finally:
+        server.stop()
+
+
 def test_an_answer_slower_than_the_lease_it_vouches_for_is_not_acted_on(tmp_path: Path) -> None:
     # held, 1.5 s left when the database answered; the answer took 2 s to arrive: stale
     server = GuardServer(FakeStore(LeaseAnswer(True, "running", 1.5, True), delay=2.0), tmp_path / "g.sock")  # type: ignore[arg-type]
     server.start()
     try:
-        marker = tmp_path / "marker"
-        env = bare_env(FLEET_TASK_ID="12", FLEET_LEASE_TOKEN=str(uuid.uuid4()),
-                       FLEET_GUARD_SOCKET=str(tmp_path / "g.sock"))
+        marker, token = tmp_path / "marker", uuid.uuid4()
+        server.agent_env(12, token, None)
+        env = bare_env(FLEET_TASK_ID="12", FLEET_LEASE_TOKEN=str(token), FLEET_GUARD_SOCKET=str(tmp_path / "g.sock"))
         p = fleet_guard("--", *write_marker(marker), env=env)
         assert p.returncode == EX_TEMPFAIL, p.stderr
         assert "longer than the 1.5 s the lease held for when it was given: it is stale; retry" in p.stderr
@@ -423,6 +453,8 @@ def test_run_dirs_of_dead_shifts_are_swept_and_no_other(tmp_path: Path) -> None:
         (base / "lanefleet-guard-afile").write_text("a file")
         live = GuardServer(FakeStore(HELD), base / "lanefleet-guard-live0001" / "guard.sock")  # type: ignore[arg-type]
         live.start()
+        token = uuid.uuid4()
+        live.agent_env(1, token, None)
         try:
             os.utime(base / "lanefleet-guard-live0001", (old, old))
             removed = sweep_stale(base)
@@ -430,7 +462,7 @@ def test_run_dirs_of_dead_shifts_are_swept_and_no_other(tmp_path: Path) -> None:
             assert not dead.exists() and not no_socket.exists()
             assert young.exists() and foreign.exists() and other.exists()
             assert (base / "lanefleet-guard-afile").exists()
-            assert ask(str(live.socket_path), 1, str(uuid.uuid4()), 5)["held"] is True  # untouched, still serving
+            assert ask(str(live.socket_path), 1, str(token), 5)["held"] is True  # untouched, still serving
         finally:
             live.stop()
     finally:

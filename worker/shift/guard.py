@@ -11,7 +11,10 @@ worker/agent/executor.py; under bwrap they cannot read the fleet's files), so th
   after asking the
   database at that moment (``fleet.lease_held``: running under exactly that token, its session
   active, its lease not run out by the database's clock, and for how many more seconds). A
-  database error is an answer too: not confirmed, with the reason.
+  database error is an answer too: not confirmed, with the reason. The guard answers only for the
+  leases its shift gave to its agents, each for the one task it was given for
+  (:meth:`GuardServer.agent_env`): any other task or token is answered ``"state": "not_given"``
+  without asking the database, so an agent learns nothing of another task from it.
 - ``fleet guard`` (the CLI command, run by the agent: :mod:`worker.shift.guard_client`) reads ``FLEET_GUARD_SOCKET``,
   ``FLEET_TASK_ID`` and ``FLEET_LEASE_TOKEN`` (the shift puts them in every agent's
   environment), asks, and times its own round trip on a monotonic clock. The database's
@@ -54,6 +57,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 from uuid import UUID
@@ -63,6 +67,7 @@ import structlog
 from worker.store.protocol import Store
 
 SOCKET_NAME = "guard.sock"
+NOT_GIVEN = "not_given"  # the state of a task asked of with a lease this shift did not give for it
 _PREFIX = "lanefleet-guard-"
 # AF_UNIX paths are at most 107 bytes (108 with the NUL); keep a margin
 _MAX_SOCKET_PATH = 100
@@ -118,15 +123,18 @@ def sweep_stale(base: Path, min_age: float = 60.0) -> list[Path]:
     return removed
 
 
-def check(store: Store, request: Any) -> dict[str, Any]:
+def check(store: Store, request: Any, given: Mapping[UUID, int]) -> dict[str, Any]:
     """The answer to one request: ``{"held", "state", "valid_for", "error"}``. Never raises:
-    whatever went wrong is "not confirmed", with the reason."""
+    whatever went wrong is "not confirmed", with the reason. ``given``: the leases the shift gave
+    out, each token's task; a request for any other pair is ``not_given``, the database unasked."""
     try:
         task = int(request["task"])
         token = UUID(str(request["token"]))
     except (TypeError, KeyError, ValueError) as exc:
         return {"held": False, "state": None, "valid_for": 0.0,
                 "error": f"bad request ({exc!r}): send {{\"task\": id, \"token\": uuid}}"}
+    if given.get(token) != task:
+        return {"held": False, "state": NOT_GIVEN, "valid_for": 0.0, "token_matches": False, "error": None}
     try:
         answer = store.lease_held(task, token)
     except Exception as exc:  # a database error, a refused key: either way, the lease is not confirmed
@@ -160,7 +168,7 @@ class _Handler(socketserver.StreamRequestHandler):
             request = json.loads(line)
         except ValueError:
             request = None
-        answer = check(guard.store, request)
+        answer = check(guard.store, request, guard.given)
         guard.log.info("guard asked", task=request.get("task") if isinstance(request, dict) else None,
                        held=answer["held"], state=answer["state"], valid_for=answer["valid_for"],
                        error=answer["error"])
@@ -186,6 +194,7 @@ class GuardServer:
         self._own_dir: Path | None = None
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+        self.given: dict[UUID, int] = {}  # the leases given to agents: token -> its task
 
     @property
     def running(self) -> bool:
@@ -242,10 +251,13 @@ class GuardServer:
             return
         self.bin_dir = bin_dir
 
-    def agent_env(self, token: UUID | None, path: str | None) -> dict[str, str]:
+    def agent_env(self, task: int | None, token: UUID | None, path: str | None) -> dict[str, str]:
         """What an agent's environment gets: FLEET_GUARD_SOCKET, FLEET_LEASE_TOKEN, and (when the
         console script was found) FLEET_BIN and PATH with ``bin_dir`` first. ``path``: the PATH the
-        agent would get otherwise."""
+        agent would get otherwise. From now on the guard answers for ``token`` when it is asked of
+        ``task`` (the task whose lease it is), and only then."""
+        if task is not None and token is not None:
+            self.given[token] = task
         env = {"FLEET_GUARD_SOCKET": str(self.socket_path) if self.running else "",
                "FLEET_LEASE_TOKEN": str(token) if token is not None else ""}
         if self.fleet_bin is not None:

@@ -56,6 +56,9 @@ def verdict(answer: dict[str, Any], round_trip: float) -> tuple[int | None, str]
             return None, ""
         return EX_TEMPFAIL, (f"the answer took {round_trip:.1f} s, longer than the {valid_for:.1f} s the lease "
                              "held for when it was given: it is stale; retry")
+    if state == "not_given":  # (worker.shift.guard.NOT_GIVEN: this module imports no more than it must)
+        return EX_NOPERM, ("this shift gave no lease of this task under that token: ask with the "
+                           "FLEET_LEASE_TOKEN and the FLEET_GUARD_TASK (else FLEET_TASK_ID) the shift set")
     if state == "running" and answer.get("token_matches") is True:
         return EX_TEMPFAIL, ("the lease ran out and its shift has not renewed it yet (the shift stops its agents "
                              "before a repair can take the task); retry")

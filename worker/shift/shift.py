@@ -535,12 +535,14 @@ class Shift:
         rules = self.rules(d)
         values = self._env_values(rules)
         path = base_env(os.environ, rules.env, values).get("PATH")
-        return agent_env(os.environ, {**task_vars, **self.guard_env(lease, path)}, names=rules.env, values=values)
-
-    def guard_env(self, lease: UUID | None, path: str | None = None) -> dict[str, str]:
-        """What an agent's environment gets from this shift's guard for ``lease`` (FLEET_GUARD_SOCKET,
-        FLEET_LEASE_TOKEN, FLEET_BIN and PATH — ``path``, default the shift's — with ``fleet`` first on it)."""
-        return self._guard.agent_env(lease, path if path is not None else os.environ.get("PATH"))
+        # the task `fleet guard` asks of, as it picks it (worker.cli.agent_calls): a batch member's
+        # lease is its carrier's
+        guarded = task_vars.get("FLEET_GUARD_TASK") or task_vars.get("FLEET_TASK_ID")
+        # (the guard answers for this lease from now on: FLEET_GUARD_SOCKET, FLEET_LEASE_TOKEN,
+        # FLEET_BIN and PATH with `fleet` first on it)
+        guard = self._guard.agent_env(int(guarded) if guarded else None, lease,
+                                      path if path is not None else os.environ.get("PATH"))
+        return agent_env(os.environ, {**task_vars, **guard}, names=rules.env, values=values)
 
     # -- what agents may see (worker.agent.sandbox)
 
