@@ -1,11 +1,12 @@
 """What one fleet.enqueue_many call costs: N new tasks in one call, against a plain INSERT of the
-same rows (the floor: the table, its indexes and its triggers, no checks, no journal), and that
-INSERT with an 'enqueued' event per task as enqueue_many writes it (the floor while the journal
-has them).
+same rows (the floor: the table, its indexes and its triggers, no checks), that INSERT with
+``ON CONFLICT (key, lane) DO NOTHING`` (the floor with the key's probe), and, with ``--parts``,
+copies of enqueue_many with one part taken out.
 
 ```bash
 uv run python -m bench.enqueue_many --tasks 1000 --tasks 10000 --reps 9
 uv run python -m bench.enqueue_many --before /tmp/old-migrations   # + the same with older migrations
+uv run python -m bench.enqueue_many --tasks 1000 --reps 15 --parts # + a copy less each part
 ```
 
 Each figure is the median of ``--reps`` calls, each on emptied tables, one autocommit call timed
@@ -14,6 +15,12 @@ backend spent on it (/proc/<pid>/schedstat, when the server runs on this machine
 machine the steadier figure). ``--before DIR`` migrates a second scratch database with the
 migrations of DIR (e.g. ``git archive HEAD~1 migrations | tar -x -C …``) and alternates its calls
 with this tree's, so the two columns see the same machine.
+
+``--parts``: the copies are made from the live definition (pg_get_functiondef) by replacing the
+text of one part (``PARTS``), as bench/complete_parts.py does for fleet.complete; a part whose
+text is no longer there stops the run (exit status 1). Each copy is wrong on purpose (no checks,
+no answer…) and an upper bound of what its part costs; it runs only in its scratch database.
+Times are printed, never asserted.
 """
 
 from __future__ import annotations
@@ -32,10 +39,45 @@ from bench.harness import DEFAULT_URL, log
 LANE = "bench"
 PLAIN = ("insert into fleet.tasks (lane, key, payload)"
          " select %s, x ->> 'key', x -> 'payload' from jsonb_array_elements(%s) x")
-PLAIN_EVENTS = ("with t as (" + PLAIN + " returning id, lane, key, priority, run_at)"
-                " insert into fleet.events (kind, lane, task_id, detail)"
-                " select 'enqueued', t.lane, t.id, jsonb_build_object('key', t.key, 'priority', t.priority,"
-                " 'run_at', t.run_at) from t order by t.id")
+PLAIN_CONFLICT = PLAIN + " on conflict (key, lane) do nothing"
+ANSWER = """    return query
+    select (r.ord - 1)::int, r.id, r.key, r.created
+      from unnest(v_ids, v_keys, v_created) with ordinality r(id, key, created, ord)
+     order by r.ord;
+"""
+# a copy's name -> the (text, replacement) pairs that make it from fleet.enqueue_many
+PARTS: dict[str, list[tuple[str, str]]] = {
+    "less the key's lookup": [("where t.key = e.key\n", "where false and t.key = e.key\n")],
+    "less every check": [("when jsonb_typeof(e.t) <> 'object' then 'not_object'", "when true then null")],
+    "less the unknown-field check": [("when e.t - v_fields <> '{}' then", "when false then")],
+    "less the payload's size check": [("and octet_length(e.payload::text) > n.max_bytes", "and false")],
+    "less the lock-order sort": [("order by f.key, f.lane, f.idx\n", "\n")],
+    "less the answer": [(ANSWER, "    return;\n")],
+}
+
+
+class DefinitionChanged(Exception):
+    pass
+
+
+def part_copies(conn: psycopg.Connection) -> dict[str, str]:
+    """Create the copies of ``PARTS`` in the database: name -> the function to call."""
+    row = conn.execute("select pg_get_functiondef('fleet.enqueue_many(text,jsonb)'::regprocedure)").fetchone()
+    assert row is not None
+    source, head = str(row[0]), "CREATE OR REPLACE FUNCTION fleet.enqueue_many("
+    if head not in source:
+        raise DefinitionChanged(f"pg_get_functiondef no longer starts with {head!r}")
+    out: dict[str, str] = {}
+    for i, (name, edits) in enumerate(PARTS.items()):
+        fn = f"fleet._bench_enqueue_many_{i}"
+        text = source.replace(head, f"CREATE FUNCTION {fn}(")
+        for old, new in edits:
+            if old not in text:
+                raise DefinitionChanged(f"{name}: fleet.enqueue_many no longer holds {old[:40]!r}")
+            text = text.replace(old, new)
+        conn.execute(text)
+        out[name] = fn
+    return out
 
 
 def _db(server: str, name: str, migrations: Path | None) -> str:
@@ -58,8 +100,9 @@ def _cpu_ns(pid: int) -> int | None:
         return None
 
 
-def _once(conn: psycopg.Connection, stmt: str, n: int) -> tuple[float, float | None]:
-    """One call on emptied tables: (wall seconds, the backend's CPU seconds or None)."""
+def _once(conn: psycopg.Connection, stmt: str, n: int, *, answers: bool = False) -> tuple[float, float | None]:
+    """One call on emptied tables: (wall seconds, the backend's CPU seconds or None). ``answers``:
+    the call returns (id, created) per task, all of them new (a copy of --parts need not)."""
     conn.execute("truncate fleet.events, fleet.runs, fleet.tasks restart identity cascade")
     conn.execute("vacuum analyze fleet.tasks")
     tasks = Jsonb([{"key": f"bench:{i}", "payload": {"n": i}} for i in range(n)])
@@ -69,7 +112,7 @@ def _once(conn: psycopg.Connection, stmt: str, n: int) -> tuple[float, float | N
     cur = conn.execute(stmt, (LANE, tasks))
     if cur.description is not None:
         got = cur.fetchall()
-        assert len(got) == n and all(c for _, c in got), "every task new"
+        assert not answers or (len(got) == n and all(c for _, c in got)), "every task new"
     secs = time.perf_counter() - t0
     cpu1 = _cpu_ns(pid)
     assert conn.execute("select count(*) from fleet.tasks").fetchone() == (n,)
@@ -82,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", type=int, action="append", help="tasks per call (repeatable; default 1000, 10000)")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--before", type=Path, help="a migrations folder to compare with")
+    ap.add_argument("--parts", action="store_true", help="also time copies of enqueue_many less one part each")
     args = ap.parse_args(argv)
     sizes = args.tasks or [1000, 10000]
     tag = f"{time.time_ns() % 10**8:08d}"
@@ -93,22 +137,30 @@ def main(argv: list[str] | None = None) -> int:
         calls = {f"enqueue_many, {label}": (url, "select id, created from fleet.enqueue_many(%s, %s)")
                  for label, url in urls.items()}
         calls["plain INSERT"] = (urls["this tree"], PLAIN)
-        calls["plain INSERT + events"] = (urls["this tree"], PLAIN_EVENTS)
+        calls["plain INSERT ON CONFLICT"] = (urls["this tree"], PLAIN_CONFLICT)
+        if args.parts:
+            with psycopg.connect(urls["this tree"], autocommit=True) as conn:
+                try:
+                    copies = part_copies(conn)
+                except DefinitionChanged as exc:
+                    log(f"error: {exc} (bench/enqueue_many.py, PARTS)")
+                    return 1
+            calls |= {name: (urls["this tree"], f"select id, created from {fn}(%s, %s)") for name, fn in copies.items()}
         conns = {k: psycopg.connect(u, autocommit=True) for k, (u, _) in calls.items()}
         for n in sizes:
             wall: dict[str, list[float]] = {k: [] for k in calls}
             cpu: dict[str, list[float]] = {k: [] for k in calls}
             for k in calls:  # one warm-up each
-                _once(conns[k], calls[k][1], n)
+                _once(conns[k], calls[k][1], n, answers=k.startswith("enqueue_many"))
             for _ in range(args.reps):
                 for k, (_, stmt) in calls.items():
-                    w, c = _once(conns[k], stmt, n)
+                    w, c = _once(conns[k], stmt, n, answers=k.startswith("enqueue_many"))
                     wall[k].append(w)
                     if c is not None:
                         cpu[k].append(c)
             for k, xs in wall.items():
                 ms = sorted(x * 1000 for x in xs)
-                line = (f"{n:>6} tasks  {k:<26} wall median {statistics.median(ms):7.1f} ms"
+                line = (f"{n:>6} tasks  {k:<30} wall median {statistics.median(ms):7.1f} ms"
                         f" (min {ms[0]:.1f}, max {ms[-1]:.1f}; {n / statistics.median(xs):,.0f} tasks/s)")
                 if cpu[k]:
                     cs = sorted(x * 1000 for x in cpu[k])
