@@ -431,12 +431,14 @@ def test_fleet_run_for_a_duration(make_fleet):
     # ready work in a lane without shifts: its monitor pass finds idle capacity at once
     fleet.enqueue("review", 1, {})
     started = time.monotonic()
-    done = fleet.cli("run", "--for", "2s", env={**run_env(fleet), "FLEET_FLEET__IDLE_ALERT_SECONDS": "1s"})
+    done = fleet.cli("run", "--for", "3s", env={**run_env(fleet), "FLEET_FLEET__IDLE_ALERT_SECONDS": "1s",
+                                                "FLEET_FLEET__MONITOR_EVERY": "1s"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"launched": {}, "max_concurrent": {}}
-    # what the monitor found is logged, a line each (JSON lines: stderr is no terminal here)
+    # what the monitor found is logged, a line each (JSON lines: stderr is no terminal here); the
+    # idle capacity lasts every pass (one a second, and the last at the end), and is logged once
     found = [json.loads(line) for line in done.stderr.splitlines() if '"monitor: ' in line]
-    assert {(f["event"], f["lane"]) for f in found} == {("monitor: idle_capacity", "review")}, done.stderr[-2000:]
+    assert [(f["event"], f["lane"]) for f in found] == [("monitor: idle_capacity", "review")], done.stderr[-2000:]
     assert found[0]["detail"]["ready"] == 1, found
     # it says when each lane's next shift starts, and which lanes it will never start
     said = " ".join(done.stdout.split())
@@ -677,3 +679,29 @@ def test_a_finding_of_fleet_up_is_one_short_line():
     assert finding(released) == "monitor: released, lane docs, task 4 (lease-expired)"
     idle = RepairAction(action="idle_capacity", lane="review", task_id=None, session_id=None, detail={"ready": 2})
     assert finding(idle) == "monitor: idle_capacity, lane review"
+
+
+def test_a_long_running_command_says_each_repair_and_a_lasting_state_when_it_begins():
+    from monitor.cli.run import Findings
+    from worker.models import RepairAction
+
+    def act(action: str, task: int | None = None, **detail: object) -> RepairAction:
+        return RepairAction(action=action, lane="docs", task_id=task, session_id=None, detail=detail)
+
+    said = Findings()
+    stall, idle = act("stalled", 4, quiet_seconds=400.0), act("idle_capacity", ready=2)
+    assert said.new([stall, idle, act("released", 5)]) == [stall, idle, act("released", 5)]
+    # the next pass finds the same states (their figures moved on) and releases task 5 again
+    later = act("stalled", 4, quiet_seconds=430.0)
+    assert said.new([later, act("idle_capacity", ready=3), act("released", 5)]) == [act("released", 5)]
+    # another task's stall is another state; the idle capacity ended
+    other = act("stalled", 6, quiet_seconds=300.0)
+    assert said.new([later, other]) == [other]
+    # a state back after a pass without it is said again
+    assert said.new([later]) == []
+    assert said.new([]) == []
+    assert said.new([idle, later]) == [idle, later]
+    # a workspace or a source it names is part of what the state is
+    ws1, ws2 = act("workspace_refused", workspace=1), act("workspace_refused", workspace=2)
+    assert said.new([ws1]) == [ws1]
+    assert said.new([ws1, ws2]) == [ws2]

@@ -46,9 +46,39 @@ def finding(a: RepairAction) -> str:
             + (f", task {a.task_id}" if a.task_id is not None else "") + (f" ({why})" if why else ""))
 
 
+# what a monitor pass reports of a state that lasts (a stall, idle capacity, a session past its
+# deadline, a workspace it may not remove, a source that fails, another monitor at work), not of
+# what it did: found again by every pass while it lasts
+STATES = frozenset({"stalled", "needs_attention", "idle_capacity", "overdue", "workspace_refused",
+                    "workspace_reap_failed", "source_failed", "skipped"})
+
+
+class Findings:
+    """What of each monitor pass a long-running command says (`fleet run`'s log, `fleet up`'s
+    screen): every repair, and a state (``STATES``) when it begins — not again on each pass while it
+    lasts, and again if it comes back after a pass without it."""
+
+    def __init__(self) -> None:
+        self._last: set[tuple[Any, ...]] = set()
+
+    def new(self, actions: list[RepairAction]) -> list[RepairAction]:
+        now: set[tuple[Any, ...]] = set()
+        out = []
+        for a in actions:
+            if a.action in STATES:
+                detail = a.detail or {}
+                key = (a.action, a.lane, a.task_id, a.session_id, detail.get("workspace"), detail.get("source"))
+                now.add(key)
+                if key in self._last:
+                    continue
+            out.append(a)
+        self._last = now
+        return out
+
+
 def log_actions(actions: list[RepairAction]) -> None:
-    """What a monitor pass of `fleet run` did and found, a log line each (as `fleet monitor`
-    prints them in a table): repairs, stalls, idle capacity."""
+    """What a monitor pass of `fleet run` did and found (what ``Findings`` lets through), a log
+    line each (as `fleet monitor` prints them in a table): repairs, stalls, idle capacity."""
     import structlog
 
     log = structlog.get_logger("lanefleet.monitor")
@@ -159,8 +189,10 @@ def run(
     # a restart of the database: said once, and the next pass tries again (monitor.outage)
     outage = Outage(r.database, lambda line: console.print(line, highlight=False, markup=False))
 
+    findings = Findings()
+
     def monitor_job() -> None:
-        log_actions(monitor_pass(store, r.cfg))
+        log_actions(findings.new(monitor_pass(store, r.cfg)))
 
     scheduler.add_job(lambda: outage.attempt(monitor_job),
                       IntervalTrigger(seconds=r.cfg.fleet.monitor_every), id="monitor", max_instances=1, coalesce=True)
@@ -333,7 +365,7 @@ def up(
     with contextlib.ExitStack() as stopping, Live(console=console, refresh_per_second=4, transient=True) as live:
         stopping.callback(launcher.stop_all)
         outage = Outage(r.database, lambda line: live.console.print(line, highlight=False, markup=False))
-        said: set[tuple[str, str | None, int | None]] = set()  # each finding once (a stall lasts passes)
+        findings = Findings()  # a stall lasts passes: said when it begins
         while not stop.is_set():
             try:
                 ready = {row["lane"]: row["ready"] for row in store.query("ready_by_lane")}
@@ -341,10 +373,8 @@ def up(
                     if ready.get(lane) and launcher.count(lane) == 0:
                         launcher.launch(lane, ["--once"] if demo else [])
                 if time.monotonic() >= next_monitor:
-                    for a in monitor_pass(store, r.cfg):
-                        if (a.action, a.lane, a.task_id) not in said:
-                            said.add((a.action, a.lane, a.task_id))
-                            live.console.print(finding(a), highlight=False, markup=False)
+                    for a in findings.new(monitor_pass(store, r.cfg)):
+                        live.console.print(finding(a), highlight=False, markup=False)
                     next_monitor = time.monotonic() + monitor_every
                 rows = summary()
                 live.update(summary_table(rows, f"lanefleet — {time.monotonic() - started:.0f}s"))
