@@ -32,6 +32,8 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
+from bench.copies import DefinitionChanged, function_copies
+from bench.copies import definition as function_definition
 from bench.fleetload import LANE, LANE_SETTINGS
 from bench.harness import log, scratch_db, stamp
 
@@ -50,37 +52,17 @@ COPIES: dict[str, list[tuple[str, str]] | None] = {
 NOTHING = "a SQL function doing nothing"  # (--own-transactions: the call and commit alone)
 
 
-class DefinitionChanged(Exception):
-    pass
+SIGNATURE = "fleet.complete(bigint,uuid,jsonb)"
 
 
 def definition(conn: psycopg.Connection[Any]) -> str:
     """fleet.complete's CREATE statement, as the database holds it."""
-    row = conn.execute("select pg_get_functiondef('fleet.complete(bigint,uuid,jsonb)'::regprocedure)").fetchone()
-    assert row is not None
-    return str(row[0])
+    return function_definition(conn, SIGNATURE)
 
 
 def copies(conn: psycopg.Connection[Any]) -> dict[str, str]:
     """Create the copies in the database: name -> the function to call."""
-    source = definition(conn)
-    head = "CREATE OR REPLACE FUNCTION fleet.complete("
-    if head not in source:
-        raise DefinitionChanged(f"pg_get_functiondef no longer starts with {head!r}")
-    out: dict[str, str] = {}
-    for i, (name, edits) in enumerate(COPIES.items()):
-        if edits is None:
-            out[name] = "fleet.complete"
-            continue
-        fn = f"fleet._bench_complete_{i}"
-        text = source.replace(head, f"CREATE FUNCTION {fn}(")
-        for old, new in edits:
-            if old not in text:
-                raise DefinitionChanged(f"{name}: fleet.complete no longer holds {old[:40]!r}")
-            text = text.replace(old, new)
-        conn.execute(text)
-        out[name] = fn
-    return out
+    return function_copies(conn, SIGNATURE, COPIES, "fleet._bench_complete_")
 
 
 def parts(med: dict[str, float]) -> list[tuple[str, float]]:

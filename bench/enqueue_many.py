@@ -34,6 +34,7 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 from psycopg.types.json import Jsonb
 
+from bench.copies import DefinitionChanged, function_copies
 from bench.harness import DEFAULT_URL, log
 
 LANE = "bench"
@@ -56,28 +57,9 @@ PARTS: dict[str, list[tuple[str, str]]] = {
 }
 
 
-class DefinitionChanged(Exception):
-    pass
-
-
 def part_copies(conn: psycopg.Connection) -> dict[str, str]:
     """Create the copies of ``PARTS`` in the database: name -> the function to call."""
-    row = conn.execute("select pg_get_functiondef('fleet.enqueue_many(text,jsonb)'::regprocedure)").fetchone()
-    assert row is not None
-    source, head = str(row[0]), "CREATE OR REPLACE FUNCTION fleet.enqueue_many("
-    if head not in source:
-        raise DefinitionChanged(f"pg_get_functiondef no longer starts with {head!r}")
-    out: dict[str, str] = {}
-    for i, (name, edits) in enumerate(PARTS.items()):
-        fn = f"fleet._bench_enqueue_many_{i}"
-        text = source.replace(head, f"CREATE FUNCTION {fn}(")
-        for old, new in edits:
-            if old not in text:
-                raise DefinitionChanged(f"{name}: fleet.enqueue_many no longer holds {old[:40]!r}")
-            text = text.replace(old, new)
-        conn.execute(text)
-        out[name] = fn
-    return out
+    return function_copies(conn, "fleet.enqueue_many(text,jsonb)", PARTS, "fleet._bench_enqueue_many_")
 
 
 def _db(server: str, name: str, migrations: Path | None) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from sqlkit import one
 
 from bench import complete_parts
 
@@ -19,9 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def definition(conn: psycopg.Connection, fn: str) -> str:
-    row = conn.execute("select prosrc from pg_proc where oid = %s::regproc", (fn,)).fetchone()
-    assert row is not None
-    return str(row[0])
+    return str(one(conn, "select prosrc from pg_proc where oid = %s::regproc", (fn,)))
 
 
 def test_each_copy_is_the_function_less_its_part(conn: psycopg.Connection) -> None:

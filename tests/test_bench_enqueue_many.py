@@ -12,16 +12,15 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from sqlkit import one
 
-from bench import enqueue_many
+from bench import copies, enqueue_many
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def definition(conn: psycopg.Connection, fn: str) -> str:
-    row = conn.execute("select prosrc from pg_proc where oid = %s::regproc", (fn,)).fetchone()
-    assert row is not None
-    return str(row[0])
+    return str(one(conn, "select prosrc from pg_proc where oid = %s::regproc", (fn,)))
 
 
 def test_each_copy_is_the_function_less_its_part(conn: psycopg.Connection) -> None:
@@ -37,9 +36,7 @@ def test_each_copy_is_the_function_less_its_part(conn: psycopg.Connection) -> No
 
 
 def test_a_definition_without_a_part_stops_the_copies_by_name(conn: psycopg.Connection) -> None:
-    row = conn.execute("select pg_get_functiondef('fleet.enqueue_many(text,jsonb)'::regprocedure)").fetchone()
-    assert row is not None
-    conn.execute(str(row[0]).replace("and octet_length(e.payload::text) > n.max_bytes",
+    conn.execute(copies.definition(conn, "fleet.enqueue_many(text,jsonb)").replace("and octet_length(e.payload::text) > n.max_bytes",
                                      "and octet_length(e.payload::text) >= n.max_bytes + 1"))
     with pytest.raises(enqueue_many.DefinitionChanged,
                        match=re.escape("less the payload's size check: fleet.enqueue_many no longer holds")):
