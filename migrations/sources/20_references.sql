@@ -104,77 +104,51 @@ create or replace trigger references_changed after update of lane, profile on fl
                        or (old.profile is distinct from new.profile and new.profile is not null))
     execute function fleet._task_references_known();
 
--- a lane with tasks is never deleted (retire it: fleet.retire_lane); a renamed lane's tasks follow
-create or replace function fleet._lane_deleted()
+-- the other side, for both: a lane or a profile that tasks name is never deleted (retire a lane:
+-- fleet.retire_lane), and a renamed one's tasks follow it. TG_ARGV[0]: the column of fleet.tasks
+-- that names the row; TG_ARGV[1]: the hint of the refusal, %s the row's name.
+create or replace function fleet._named_by_tasks_deleted()
+returns trigger
+language plpgsql
+security definer set search_path = pg_catalog, fleet, pg_temp
+as $$
+declare
+    v_named boolean;
+begin
+    -- (the row is locked by now, so an enqueue in flight has committed; no index holds every
+    -- task by lane or by profile, so this may scan fleet.tasks: nothing in lanefleet deletes either)
+    execute format('select exists (select 1 from fleet.tasks t where t.%I = $1)', tg_argv[0])
+       into v_named using old.name;
+    if v_named then
+        raise exception using errcode = 'foreign_key_violation',
+            message = format('fleet.%s: %s %L has tasks, so it is not deleted', tg_table_name, tg_argv[0], old.name),
+            hint = format(tg_argv[1], old.name),
+            schema = 'fleet', table = tg_table_name, column = 'name';
+    end if;
+    return old;
+end
+$$;
+revoke all on function fleet._named_by_tasks_deleted() from public;
+grant execute on function fleet._named_by_tasks_deleted() to service_role;
+
+create or replace function fleet._named_by_tasks_renamed()
 returns trigger
 language plpgsql
 security definer set search_path = pg_catalog, fleet, pg_temp
 as $$
 begin
-    -- (tasks_lane_state; the row is locked by now, so an enqueue in flight has committed)
-    if exists (select 1 from fleet.tasks t where t.lane = old.name) then
-        raise exception using errcode = 'foreign_key_violation',
-            message = format('fleet.lanes: lane %L has tasks, so it is not deleted', old.name),
-            hint = format('retire it instead: `fleet lanes retire %s`', old.name),
-            schema = 'fleet', table = 'lanes', column = 'name';
-    end if;
-    return old;
+    execute format('update fleet.tasks t set %1$I = $1 where t.%1$I = $2', tg_argv[0]) using new.name, old.name;
+    return null;
 end
 $$;
-revoke all on function fleet._lane_deleted() from public;
-grant execute on function fleet._lane_deleted() to service_role;
+revoke all on function fleet._named_by_tasks_renamed() from public;
+grant execute on function fleet._named_by_tasks_renamed() to service_role;
+
 create or replace trigger tasks_keep_lane before delete on fleet.lanes
-    for each row execute function fleet._lane_deleted();
-
-create or replace function fleet._lane_renamed()
-returns trigger
-language plpgsql
-security definer set search_path = pg_catalog, fleet, pg_temp
-as $$
-begin
-    update fleet.tasks t set lane = new.name where t.lane = old.name;
-    return null;
-end
-$$;
-revoke all on function fleet._lane_renamed() from public;
-grant execute on function fleet._lane_renamed() to service_role;
+    for each row execute function fleet._named_by_tasks_deleted('lane', 'retire it instead: `fleet lanes retire %s`');
 create or replace trigger tasks_follow_rename after update of name on fleet.lanes
-    for each row when (old.name is distinct from new.name) execute function fleet._lane_renamed();
-
--- a profile that tasks name is never deleted (a task dispatches with it, and its runs are counted
--- by it); a renamed profile's tasks follow it
-create or replace function fleet._profile_deleted()
-returns trigger
-language plpgsql
-security definer set search_path = pg_catalog, fleet, pg_temp
-as $$
-begin
-    -- (no index of tasks by profile: as the key's check, a scan; nothing in lanefleet deletes one.
-    -- The row is locked by now, so an enqueue in flight has committed.)
-    if exists (select 1 from fleet.tasks t where t.profile = old.name) then
-        raise exception using errcode = 'foreign_key_violation',
-            message = format('fleet.profiles: profile %L is named by tasks, so it is not deleted', old.name),
-            schema = 'fleet', table = 'profiles', column = 'name';
-    end if;
-    return old;
-end
-$$;
-revoke all on function fleet._profile_deleted() from public;
-grant execute on function fleet._profile_deleted() to service_role;
+    for each row when (old.name is distinct from new.name) execute function fleet._named_by_tasks_renamed('lane');
 create or replace trigger tasks_keep_profile before delete on fleet.profiles
-    for each row execute function fleet._profile_deleted();
-
-create or replace function fleet._profile_renamed()
-returns trigger
-language plpgsql
-security definer set search_path = pg_catalog, fleet, pg_temp
-as $$
-begin
-    update fleet.tasks t set profile = new.name where t.profile = old.name;
-    return null;
-end
-$$;
-revoke all on function fleet._profile_renamed() from public;
-grant execute on function fleet._profile_renamed() to service_role;
+    for each row execute function fleet._named_by_tasks_deleted('profile', 'a task keeps the profile it was given, a finished one too');
 create or replace trigger tasks_follow_profile after update of name on fleet.profiles
-    for each row when (old.name is distinct from new.name) execute function fleet._profile_renamed();
+    for each row when (old.name is distinct from new.name) execute function fleet._named_by_tasks_renamed('profile');

@@ -53,7 +53,7 @@ def test_a_lane_with_tasks_is_not_deleted_and_a_rename_takes_its_tasks_along(con
     t = enqueue(conn, "a", "k")
     with refused(FK) as info:
         conn.execute("delete from fleet.lanes where name = 'a'")
-    assert "lane 'a' has tasks" in str(info.value)
+    assert "fleet.lanes: lane 'a' has tasks, so it is not deleted" in str(info.value)
     assert info.value.diag.message_hint == "retire it instead: `fleet lanes retire a`"
     conn.execute("delete from fleet.lanes where name = 'empty'")
     conn.execute("update fleet.lanes set name = 'a2' where name = 'a'")
@@ -93,7 +93,8 @@ def test_a_profile_with_tasks_is_not_deleted_and_a_rename_takes_its_tasks_along(
     conn.execute("update fleet.tasks set profile = 'p1' where id = %s", (t,))
     with refused(FK) as info:
         conn.execute("delete from fleet.profiles where name = 'p1'")
-    assert "profile 'p1' is named by tasks" in str(info.value)
+    assert "fleet.profiles: profile 'p1' has tasks, so it is not deleted" in str(info.value)
+    assert info.value.diag.message_hint == "a task keeps the profile it was given, a finished one too"
     conn.execute("delete from fleet.profiles where name = 'unused'")
     conn.execute("update fleet.profiles set name = 'p2' where name = 'p1'")
     assert one(conn, "select profile from fleet.tasks where id = %s", (t,)) == "p2"
