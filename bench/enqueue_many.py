@@ -116,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for label, name in dbs.items():
             urls[label] = _db(args.url, name, args.before if label == "before" else None)
-        calls = {f"enqueue_many, {label}": (url, "select id, created from fleet.enqueue_many(%s, %s)")
+        # label -> (database, statement, whether it answers (id, created) for every task)
+        calls = {f"enqueue_many, {label}": (url, "select id, created from fleet.enqueue_many(%s, %s)", True)
                  for label, url in urls.items()}
-        calls["plain INSERT"] = (urls["this tree"], PLAIN)
-        calls["plain INSERT ON CONFLICT"] = (urls["this tree"], PLAIN_CONFLICT)
+        calls["plain INSERT"] = (urls["this tree"], PLAIN, False)
+        calls["plain INSERT ON CONFLICT"] = (urls["this tree"], PLAIN_CONFLICT, False)
         if args.parts:
             with psycopg.connect(urls["this tree"], autocommit=True) as conn:
                 try:
@@ -127,16 +128,17 @@ def main(argv: list[str] | None = None) -> int:
                 except DefinitionChanged as exc:
                     log(f"error: {exc} (bench/enqueue_many.py, PARTS)")
                     return 1
-            calls |= {name: (urls["this tree"], f"select id, created from {fn}(%s, %s)") for name, fn in copies.items()}
-        conns = {k: psycopg.connect(u, autocommit=True) for k, (u, _) in calls.items()}
+            calls |= {name: (urls["this tree"], f"select id, created from {fn}(%s, %s)", False)
+                      for name, fn in copies.items()}
+        conns = {k: psycopg.connect(u, autocommit=True) for k, (u, _, _) in calls.items()}
         for n in sizes:
             wall: dict[str, list[float]] = {k: [] for k in calls}
             cpu: dict[str, list[float]] = {k: [] for k in calls}
-            for k in calls:  # one warm-up each
-                _once(conns[k], calls[k][1], n, answers=k.startswith("enqueue_many"))
+            for k, (_, stmt, answers) in calls.items():  # one warm-up each
+                _once(conns[k], stmt, n, answers=answers)
             for _ in range(args.reps):
-                for k, (_, stmt) in calls.items():
-                    w, c = _once(conns[k], stmt, n, answers=k.startswith("enqueue_many"))
+                for k, (_, stmt, answers) in calls.items():
+                    w, c = _once(conns[k], stmt, n, answers=answers)
                     wall[k].append(w)
                     if c is not None:
                         cpu[k].append(c)
