@@ -468,10 +468,8 @@ def test_a_member_over_its_task_budget_is_stopped_and_leaves_the_batch_blocked(b
     f.enqueue("code", "fine", member_payload("fine"))
     batch = create(f, ["spender", "fine"])
 
-    started = time.monotonic()
     f.run_shift("code", max_tasks=1, max_seconds=60)
 
-    assert time.monotonic() - started < 40 * 0.2, "the member's agent ran to its end"
     assert batch_row(f, batch)["state"] == "done"
     ms = members(f, batch)
     assert [(m["state"], m["gate"]) for m in ms] == [("evicted", "budget"), ("landed", "ok")]
@@ -480,6 +478,8 @@ def test_a_member_over_its_task_budget_is_stopped_and_leaves_the_batch_blocked(b
     assert "12,000 budget" in row["last_error"]
     (run,) = f.runs(spender)
     assert (run["outcome"], run["reason"]) == ("blocked", "budget")
+    # (all 40 steps would be 200,000: the agent was stopped, not run to its end; no clock asked,
+    # which a loaded machine made fail)
     assert 12000 <= run["input_tokens"] + run["output_tokens"] < 40 * 5000, "what it streamed, counted"
     assert log_of(origin, f"batch/{batch}")[:-1] == ["fine: step 1/1 (attempt 1)"], "nothing of it landed"
     # an operator gives it room: an ordinary task again, run alone
