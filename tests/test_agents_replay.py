@@ -187,6 +187,9 @@ def test_claude_json_array_is_read_and_a_login_failure_is_an_ordinary_failure(ag
     # opencode: an UnknownError event whose message quotes a JSON body
     ("opencode", "opencode/run-json-error-direct-access-token-401.jsonl",
      'Failed to get direct access token: 401 Unauthorized - {"message":"401 Unauthorized"}'),
+    # Gemini CLI 0.42.0: the result's own error
+    ("gemini", "gemini/stream-json-result-error-invalid-model-0.42.0.jsonl",
+     "[API Error: Requested entity was not found.]"),
 ])
 def test_last_error_is_the_agents_own_error_message(agent_fleet, agent: str, sample: str, said: str) -> None:
     fleet = agent_fleet(agent, replay((sample, 1)))
@@ -248,6 +251,32 @@ def test_codex_usage_limit_names_its_signal_and_the_clock_it_read(agent_fleet) -
     reset = next_clock(run["ended_at"], 12, 16)
     assert abs(datetime.fromisoformat(detail["reset_read"]) - reset) < timedelta(minutes=2)
     assert task["run_at"] >= max(reset, run["ended_at"] + timedelta(seconds=59)) - timedelta(minutes=2)
+
+
+def test_a_gemini_invalid_stream_is_retried_without_spending_an_attempt(agent_fleet) -> None:
+    # Gemini CLI 0.44.0 (switchboard's capture): the answer streamed, then an error event "Invalid
+    # stream: …" and a result of status "error" that names no error; exit 1. The model's reply
+    # failed, not the task: a transient, journaled in its words
+    sample = "gemini/stream-json-error-event-result-error-no-error-field-0.44.0.jsonl"
+    fleet = agent_fleet("gemini", replay((sample, 1)), max_transient=2)
+    task, run = one_run(fleet, "invalid-stream")
+    assert (task["state"], task["failures"], task["transients"], run["outcome"]) == ("queued", 0, 1, "transient")
+    (detail,) = events(fleet, task["id"], "transient")
+    assert detail["transients"] == 1
+    assert "Invalid stream: The model returned an empty response or malformed tool call." in detail["error"]
+
+
+def test_gemini_exhausted_capacity_throttles_for_the_delay_it_names(agent_fleet) -> None:
+    # a stream-json result (index 65889011546, "Exact JSON from user"): "[API Error: You have
+    # exhausted your capacity on this model. Your quota will reset after 3h5m30s.]"
+    fleet = agent_fleet("gemini", replay(("gemini/stream-json-result-error-exhausted-capacity-quota.jsonl", 1)))
+    task, run = one_run(fleet, "gemini-quota")
+    assert (task["state"], task["failures"], run["outcome"]) == ("queued", 0, "throttled")
+    (detail,) = events(fleet, task["id"], "throttled")
+    assert detail["signal"] == "result error" and "reset after 3h5m30s" in detail["text"]
+    reset = run["ended_at"] + timedelta(hours=3, minutes=5, seconds=30)  # 11,130 s, not "3 o'clock"
+    assert abs(datetime.fromisoformat(detail["reset_read"]) - reset) < timedelta(minutes=2)
+    assert abs(task["run_at"] - reset) < timedelta(minutes=2)
 
 
 # ------------------------------------------------------------------------------------------------

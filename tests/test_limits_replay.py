@@ -154,6 +154,9 @@ def wording(name: str, fragment: str) -> str:
      datetime(2026, 4, 1, 0, 0, tzinfo=UTC), None),
     ("codex-limit-wordings.jsonl", "try again in 5 days 22 hours 11 minutes", None, 5 * 86400 + 22 * 3600 + 11 * 60),
     ("codex-limit-wordings.jsonl", "try again at 12:16", datetime(2026, 12, 1, 12, 16, tzinfo=UTC), None),
+    # Gemini CLI's units written together: a span, not "reset … 3" read as 3 o'clock
+    ("gemini-quota-wordings.jsonl", "reset after 3h5m30s", None, 3 * 3600 + 5 * 60 + 30),
+    ("gemini-quota-wordings.jsonl", "reset after 21h41m24s", None, 21 * 3600 + 41 * 60 + 24),
 ])
 def test_resets_with_a_date_a_span_or_a_clock_are_read(file: str, fragment: str, until: datetime | None,
                                                       after: float | None) -> None:

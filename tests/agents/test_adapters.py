@@ -564,6 +564,17 @@ def test_opencode_error_events(name: str, session: str, error: str) -> None:
     assert r.tokens == Tokens() and r.cost_usd is None
 
 
+def test_opencode_session_not_found_on_stderr_1_14_19() -> None:
+    r = read_sample("opencode", "run-json-session-not-found-stderr-1.14.19.txt")
+    # `run --format json -s ses_doesnotexist`: zero stdout and exit 0 (anomalyco/opencode#27559);
+    # only the NotFoundError on stderr says the session is not there
+    assert r.session_missing is not None and r.session_missing.signal == "opencode stderr"
+    assert r.session_missing.text == 'message: "Session not found: ses_doesnotexist",'
+    assert (r.final, r.succeeded, r.session_id, r.error) == (False, False, None, None)
+    assert r.tokens == Tokens() and r.cost_usd is None
+    assert (r.limit, r.transient) == (None, None)
+
+
 # -- Gemini CLI
 
 
@@ -593,6 +604,81 @@ def test_gemini_json_document_0_6_1() -> None:
     # reasoning); 7173 + 17 = the document's total 7190
     pro = Tokens(input=7173, output=17, reasoning=17)
     assert r.by_model == {"gemini-2.5-pro": pro} and r.tokens == pro and r.tokens.total == 7190
+
+
+def test_gemini_tool_use_and_tool_result_0_42_0() -> None:
+    r = read_sample("gemini", "stream-json-tool-use-read-file-0.42.0.jsonl")
+    assert (r.final, r.succeeded, r.subtype) == (True, True, "success")
+    assert r.session_id == "00000000-0000-4000-8000-000000000002"  # the id the prober gave --session-id
+    # the two deltas "SWITCHBOARD_GEMINI_PROBE_TOOL_5F8A2" + "1"; the tool_use / tool_result lines
+    # (update_topic, read_file with output "") add nothing to it
+    assert r.summary == "SWITCHBOARD_GEMINI_PROBE_TOOL_5F8A21"
+    # stats.models gemini-3-flash-preview: input_tokens 20525 of which cached 7559 (input 12966),
+    # output_tokens 100, total_tokens 20625 = 20525 + 100: no thoughts
+    flash = Tokens(input=12966, cache_read=7559, output=100, reasoning=0)
+    assert r.by_model == {"gemini-3-flash-preview": flash} and r.tokens == flash
+    assert r.tokens.total == 20625
+    assert (r.error, r.limit, r.transient) == (None, None, None)
+
+
+def test_gemini_result_error_invalid_model_0_42_0() -> None:
+    r = read_sample("gemini", "stream-json-result-error-invalid-model-0.42.0.jsonl")
+    # exit 1 (the source's exit table): result status "error" with error{type "unknown", message}
+    assert (r.final, r.succeeded, r.subtype) == (True, False, "error")
+    assert r.session_id == "00000000-0000-4000-8000-000000000003"
+    assert r.error == "[API Error: Requested entity was not found.]"
+    assert (r.limit, r.transient) == (None, None)  # an unknown model (404 on stderr): an ordinary failure
+    assert r.summary is None
+    assert r.tokens == Tokens()  # every count in stats (and in stats.models) is 0
+
+
+GEMINI_TRAILING_ERROR = "stream-json-error-event-result-error-no-error-field-0.44.0.jsonl"
+
+
+def test_gemini_error_event_then_result_error_0_44_0() -> None:
+    r = read_sample("gemini", GEMINI_TRAILING_ERROR)
+    # the whole answer streamed, then an error event and a result with status "error" (no error
+    # field): the CLI's word is not a success
+    assert (r.final, r.succeeded, r.subtype) == (True, False, "error")
+    assert r.session_id == "3dcef4a2-52a3-42ec-978f-3a92863f6e97"
+    # the eight deltas joined, the last one's "\n\n" stripped
+    assert r.summary is not None and r.summary.startswith("This directory contains a mix of Python scripts")
+    assert r.summary.endswith("with an `add` method, along with usage examples.")
+    # per model, output = total_tokens - input_tokens (candidates + thoughts):
+    # gemini-3.1-flash-lite 3787 in (cached 0), 3943 - 3787 = 156 out, 156 - 46 = 110 thoughts;
+    # gemini-3-flash-preview 55454 in of which 46121 cached (input 9333), 56191 - 55454 = 737 out,
+    # 737 - 475 = 262 thoughts
+    lite = Tokens(input=3787, output=156, reasoning=110)
+    flash = Tokens(input=9333, cache_read=46121, output=737, reasoning=262)
+    assert r.by_model == {"gemini-3.1-flash-lite": lite, "gemini-3-flash-preview": flash}
+    # their sums are the top-level stats: input 13120, cached 46121, total_tokens 60134
+    assert r.tokens == lite + flash and r.tokens.input == 13120 and r.tokens.total == 60134
+    assert r.limit is None
+
+
+def test_gemini_error_event_gives_the_error_text_0_44_0() -> None:
+    r = read_sample("gemini", GEMINI_TRAILING_ERROR)
+    assert r.error == "Invalid stream: The model returned an empty response or malformed tool call."
+    # the model's reply failed, not the task (switchboard's docs: ~3 of 5 tool-using runs of 0.44.0)
+    assert r.transient is not None and r.transient.signal == "gemini error" and r.limit is None
+
+
+GEMINI_CAPACITY = "stream-json-result-error-exhausted-capacity-quota.jsonl"
+
+
+def test_gemini_exhausted_capacity_result() -> None:
+    r = read_sample("gemini", GEMINI_CAPACITY)
+    assert (r.final, r.succeeded, r.subtype) == (True, False, "error")
+    assert r.error == ("[API Error: You have exhausted your capacity on this model. "
+                       "Your quota will reset after 3h5m30s.]")
+    assert r.session_id is None and r.tokens == Tokens()  # the one line published; stats all 0
+
+
+def test_gemini_exhausted_capacity_is_a_limit() -> None:
+    r = read_sample("gemini", GEMINI_CAPACITY)
+    assert r.limit is not None and r.limit.signal == "result error"
+    assert "Your quota will reset after 3h5m30s." in r.limit.text
+    assert r.transient is None
 
 
 def test_gemini_daily_quota_wording_is_a_limit() -> None:
@@ -704,7 +790,12 @@ HAND_CHECKED = {
     "opencode/run-json-error-model-not-found-1.14.25.jsonl",
     "opencode/run-json-error-unknown-server-error-1.16.2.jsonl",
     "opencode/run-json-error-direct-access-token-401.jsonl",
+    "opencode/run-json-session-not-found-stderr-1.14.19.txt",
     "gemini/stream-json-hello-0.26.0.jsonl",
     "gemini/stream-json-assistant-deltas-partial.jsonl",
     "gemini/json-output-2plus2-0.6.1.json",
+    "gemini/stream-json-tool-use-read-file-0.42.0.jsonl",
+    "gemini/stream-json-result-error-invalid-model-0.42.0.jsonl",
+    "gemini/stream-json-error-event-result-error-no-error-field-0.44.0.jsonl",
+    "gemini/stream-json-result-error-exhausted-capacity-quota.jsonl",
 }

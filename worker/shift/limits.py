@@ -217,8 +217,9 @@ _ISO = re.compile(r"\b(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z
 _CLOCK = re.compile(r"\b(?:reset(?:s|ting)?\b[^0-9\n]{0,20}|try again at\s+)(\d{1,2})(?::(\d{2}))?\s*(am|pm)?"
                     r"(?:\s*\(([^)]+)\))?", re.IGNORECASE)
 _RETRY_AFTER = re.compile(r"retry[- ]after:?\s*(\d+)\b", re.IGNORECASE)
-# a delay: "try again in 20 minutes", "in 5 days 22 hours 11 minutes"
-_SPAN = re.compile(r"\b(?:in|after)\s+((?:\d+(?:\.\d+)?\s*(?:days?|d|hours?|hrs?|h|minutes?|mins?|m|seconds?|secs?|s)\b"
+# a delay: "try again in 20 minutes", "in 5 days 22 hours 11 minutes", "reset after 3h5m30s" (Gemini
+# CLI: a unit followed at once by the next number)
+_SPAN = re.compile(r"\b(?:in|after)\s+((?:\d+(?:\.\d+)?\s*(?:days?|d|hours?|hrs?|h|minutes?|mins?|m|seconds?|secs?|s)(?:\b|(?=\d))"
                    r"[\s,]*(?:and\s+)?)+)", re.IGNORECASE)
 _SPAN_PART = re.compile(r"(\d+(?:\.\d+)?)\s*([dhms])", re.IGNORECASE)
 # "resets Oct 31, 9am", "resets Sep 15 at 7pm", "resets Jan 18, 11:30am (Asia/Calcutta)"

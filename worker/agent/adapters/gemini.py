@@ -22,9 +22,11 @@ What is read:
   (``init.model`` echoes the requested alias, e.g. "auto-gemini-3");
 - tokens, json: per model prompt - cached + tool → input, cached → cache_read, candidates +
   thoughts → output, thoughts → reasoning (json-output-2plus2-0.6.1.json: 7 173 + 0 + 17 = 7 190);
-- limits: code 429, RESOURCE_EXHAUSTED, "Quota exceeded", "exhausted your daily quota"; transient:
-  500/503, UNAVAILABLE, "overloaded" — in a result's or the json document's error, or an ``error``
-  event of severity error (limits/gemini-quota-wordings.jsonl).
+- the error: the result's ``error.message``, else an ``error`` event's ``message``;
+- limits: code 429, RESOURCE_EXHAUSTED, "Quota exceeded", "exhausted your daily quota", "exhausted
+  your capacity" (newer CLIs: "… Your quota will reset after 3h5m30s."); transient: 500/503,
+  UNAVAILABLE, "overloaded", "Invalid stream:" — in a result's or the json document's error, or an
+  ``error`` event of severity error (limits/gemini-quota-wordings.jsonl).
 """
 
 from __future__ import annotations
@@ -35,9 +37,13 @@ from typing import Any
 from worker.agent.adapters import Adapter
 from worker.agent.adapters.base import Signal, StreamReader, Tokens, clip, count
 
-_LIMIT = re.compile(r"RESOURCE_EXHAUSTED|Quota exceeded|exhausted your (?:daily )?quota|exceeded your current quota|"
+_LIMIT = re.compile(r"RESOURCE_EXHAUSTED|Quota exceeded|exhausted your (?:daily )?quota|exhausted your capacity|"
+                    r"exceeded your current quota|"
                     r"\b429\b|Too Many Requests|TerminalQuotaError", re.IGNORECASE)
-_TRANSIENT = re.compile(r"\bUNAVAILABLE\b|overloaded|\b50[0-4]\b", re.IGNORECASE)
+# ("Invalid stream: The model returned an empty response or malformed tool call.": the model's
+# reply, not the task; 0.44.0 printed it in about 3 of 5 tool-using runs, switchboard's
+# docs/harness-behavior.md G17)
+_TRANSIENT = re.compile(r"\bUNAVAILABLE\b|overloaded|\b50[0-4]\b|Invalid stream:", re.IGNORECASE)
 
 
 def _stream_tokens(stats: dict[str, Any]) -> Tokens:
@@ -72,6 +78,9 @@ class GeminiReader(StreamReader):
             self._said.append(obj["content"])
             self.out.summary = clip("".join(self._said).strip())
         elif kind == "error" and obj.get("severity") != "warning":
+            # its text is the run's error unless the result names one (0.44.0 ends "Invalid
+            # stream: …" and then a result of status "error" without any)
+            self.out.error = clip(obj.get("message")) or self.out.error
             self._classify("gemini error", obj.get("message"), None)
         elif kind == "result":
             self._result(obj)
