@@ -304,6 +304,25 @@ def test_a_session_the_agent_cannot_find_is_dropped_without_spending_an_attempt(
     assert task["agent_session"] == "1d1e46f9-35c7-4834-b529-846d5bb82288"
 
 
+def test_an_opencode_session_not_found_with_exit_0_is_dropped_not_done(agent_fleet) -> None:
+    # attempt 1: opencode's two-step session ses_… hands off (exit 75); attempt 2 resumes it and
+    # opencode 1.14.19 says "Session not found" on stderr, prints nothing else and exits 0
+    # (anomalyco/opencode#27559); attempt 3 starts fresh and the same session succeeds
+    fleet = agent_fleet("opencode", replay(("opencode/run-json-bash-tool-two-steps.jsonl", 75),
+                                           ("opencode/run-json-session-not-found-stderr-1.14.19.txt", 0),
+                                           ("opencode/run-json-bash-tool-two-steps.jsonl", 0), resume=True))
+    task_id = fleet.enqueue("work", "gone", {})
+    for _ in range(2):
+        fleet.run_shift("work", max_tasks=2, once=True)
+    task, runs = fleet.task(task_id), fleet.runs(task_id)
+    assert [r["outcome"] for r in runs] == ["handed_off", "session_dropped", "done"]
+    assert (task["state"], task["failures"]) == ("done", 0)
+    first = json.loads((CORPUS / "opencode/run-json-bash-tool-two-steps.jsonl").read_text().splitlines()[0])["sessionID"]
+    assert [s["session"] for s in argv_seen(fleet, "gone")] == ["", first, ""]
+    (dropped,) = events(fleet, task_id, "session_dropped")
+    assert dropped["agent_session"] == first and "Session not found: ses_doesnotexist" in dropped["note"]
+
+
 def test_a_session_recorded_on_another_host_is_not_resumed_here(agent_fleet) -> None:
     fleet = agent_fleet("claude", replay(("claude/stream-json-success-tool-use-2.1.3.jsonl", 75),
                                          ("claude/stream-json-success-minimal-2.1.7.jsonl", 0), resume=True))

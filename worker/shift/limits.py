@@ -65,12 +65,14 @@ def judge(reading: Reading, code: int, profile: ProfileConfig | None, output_tai
           resumed: bool, now: datetime | None = None) -> Verdict:
     """What the run's end means. ``resumed``: this attempt was told to resume an agent session.
     Exit 75 (a hand-off) and the shift's own stops are the shift's to handle before this."""
+    # a session it was told to resume and could not find, whatever its exit code: opencode 1.14.19
+    # says so on stderr alone and exits 0 (anomalyco/opencode#27559), having done nothing
+    if resumed and reading.session_missing is not None and not reading.succeeded:
+        return Verdict("session_dropped", reading.session_missing.text)
     # exit 0 is done unless the CLI's own end-of-run record says otherwise (Claude Code's is_error,
     # opencode's error event: both exit 0); a run without such a record is the shift's to judge
     if code == 0 and (reading.succeeded or not reading.final):
         return Verdict("done")
-    if resumed and reading.session_missing is not None:
-        return Verdict("session_dropped", reading.session_missing.text)
     # the CLI's own words only: its error, and what it printed that is not one of its records. Where
     # the adapter read the stream (an end-of-run record), the records are its to judge: the agent's
     # summary and its messages may well quote "limit reached" from the code it worked on

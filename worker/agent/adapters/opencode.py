@@ -19,8 +19,9 @@ What is read:
 - the summary: the last ``text`` part;
 - limits: an error with ``statusCode`` 429 or a rate-limit/quota wording; transient:
   ``statusCode`` >= 500, ``isRetryable``, "overloaded". A 401 is an ordinary failure;
-- ``--session`` of an unknown id: run.ts prints "Session not found" (``UI.error``, on stderr, which
-  shares the run's log) and exits 1 → ``session_missing``.
+- ``--session`` of an unknown id: "Session not found" on stderr, which shares the run's log →
+  ``session_missing``. The current run.ts prints it with ``UI.error`` and exits 1; 1.14.19 printed
+  a ``NotFoundError`` and exited 0 (run-json-session-not-found-stderr-1.14.19.txt).
 """
 
 from __future__ import annotations
