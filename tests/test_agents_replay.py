@@ -323,6 +323,25 @@ def test_an_opencode_session_not_found_with_exit_0_is_dropped_not_done(agent_fle
     assert dropped["agent_session"] == first and "Session not found: ses_doesnotexist" in dropped["note"]
 
 
+def test_a_gemini_session_it_cannot_resume_is_dropped(agent_fleet) -> None:
+    # attempt 1: the 0.26.0 session hands off (exit 75); attempt 2 resumes it and Gemini CLI 0.42.0
+    # says "Error resuming session: Invalid session identifier …" on stderr, exit 42 (switchboard's
+    # capture); attempt 3 starts fresh and succeeds
+    fleet = agent_fleet("gemini", replay(("gemini/stream-json-hello-0.26.0.jsonl", 75),
+                                         ("gemini/stderr-resume-unknown-session-0.42.0.txt", 42),
+                                         ("gemini/stream-json-hello-0.26.0.jsonl", 0), resume=True))
+    task_id = fleet.enqueue("work", "gone", {})
+    for _ in range(2):
+        fleet.run_shift("work", max_tasks=2, once=True)
+    task, runs = fleet.task(task_id), fleet.runs(task_id)
+    assert [r["outcome"] for r in runs] == ["handed_off", "session_dropped", "done"]
+    assert (task["state"], task["failures"]) == ("done", 0)
+    first = json.loads((CORPUS / "gemini/stream-json-hello-0.26.0.jsonl").read_text().splitlines()[0])["session_id"]
+    assert [s["session"] for s in argv_seen(fleet, "gone")] == ["", first, ""]
+    (dropped,) = events(fleet, task_id, "session_dropped")
+    assert dropped["agent_session"] == first and "Invalid session identifier" in dropped["note"]
+
+
 def test_a_session_recorded_on_another_host_is_not_resumed_here(agent_fleet) -> None:
     fleet = agent_fleet("claude", replay(("claude/stream-json-success-tool-use-2.1.3.jsonl", 75),
                                          ("claude/stream-json-success-minimal-2.1.7.jsonl", 0), resume=True))

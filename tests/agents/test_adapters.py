@@ -681,6 +681,15 @@ def test_gemini_exhausted_capacity_is_a_limit() -> None:
     assert r.transient is None
 
 
+def test_gemini_resume_of_an_unknown_session_0_42_0() -> None:
+    r = read_sample("gemini", "stderr-resume-unknown-session-0.42.0.txt")
+    assert r.session_missing is not None and r.session_missing.signal == "gemini stderr"
+    assert r.session_missing.text == ('Error resuming session: Invalid session identifier '
+                                      '"99999999-9999-9999-9999-999999999999".')
+    assert (r.final, r.succeeded, r.session_id) == (False, False, None)
+    assert (r.limit, r.transient) == (None, None)
+
+
 def test_gemini_daily_quota_wording_is_a_limit() -> None:
     # real wording (google-gemini/gemini-cli#12386), constructed record: a result error
     entries = [json.loads(x) for x in (CORPUS / "limits" / "gemini-quota-wordings.jsonl").read_text().splitlines()]
@@ -798,4 +807,5 @@ HAND_CHECKED = {
     "gemini/stream-json-result-error-invalid-model-0.42.0.jsonl",
     "gemini/stream-json-error-event-result-error-no-error-field-0.44.0.jsonl",
     "gemini/stream-json-result-error-exhausted-capacity-quota.jsonl",
+    "gemini/stderr-resume-unknown-session-0.42.0.txt",
 }

@@ -23,6 +23,8 @@ What is read:
 - tokens, json: per model prompt - cached + tool → input, cached → cache_read, candidates +
   thoughts → output, thoughts → reasoning (json-output-2plus2-0.6.1.json: 7 173 + 0 + 17 = 7 190);
 - the error: the result's ``error.message``, else an ``error`` event's ``message``;
+- ``--resume`` of an unknown id: "Error resuming session: Invalid session identifier …" on stderr
+  (exit 42, no stream) → ``session_missing``;
 - limits: code 429, RESOURCE_EXHAUSTED, "Quota exceeded", "exhausted your daily quota", "exhausted
   your capacity" (newer CLIs: "… Your quota will reset after 3h5m30s."); transient: 500/503,
   UNAVAILABLE, "overloaded", "Invalid stream:" — in a result's or the json document's error, or an
@@ -44,6 +46,10 @@ _LIMIT = re.compile(r"RESOURCE_EXHAUSTED|Quota exceeded|exhausted your (?:daily 
 # reply, not the task; 0.44.0 printed it in about 3 of 5 tool-using runs, switchboard's
 # docs/harness-behavior.md G17)
 _TRANSIENT = re.compile(r"\bUNAVAILABLE\b|overloaded|\b50[0-4]\b|Invalid stream:", re.IGNORECASE)
+
+
+# `--resume` of a session it does not have (stderr, exit 42: switchboard's probes of 0.42.0)
+_SESSION_MISSING = re.compile(r"Error resuming session|Invalid session identifier")
 
 
 def _stream_tokens(stats: dict[str, Any]) -> Tokens:
@@ -86,6 +92,10 @@ class GeminiReader(StreamReader):
             self._result(obj)
         elif kind is None and ("response" in obj or "stats" in obj or "error" in obj):
             self._document(obj)
+
+    def plain(self, line: str) -> None:
+        if self.out.session_missing is None and _SESSION_MISSING.search(line):
+            self.out.session_missing = Signal("gemini stderr", line[:500])
 
     def _result(self, obj: dict[str, Any]) -> None:
         out = self.out
