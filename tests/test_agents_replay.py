@@ -342,6 +342,24 @@ def test_a_gemini_session_it_cannot_resume_is_dropped(agent_fleet) -> None:
     assert dropped["agent_session"] == first and "Invalid session identifier" in dropped["note"]
 
 
+def test_a_codex_thread_without_its_rollout_is_dropped(agent_fleet) -> None:
+    # attempt 1: the 0.46 thread hands off (exit 75); attempt 2 resumes it and Codex 0.137.0 says
+    # "no rollout found for thread id …" on stderr, exit 1 (vm0-ai/vm0#16125); attempt 3 starts fresh
+    fleet = agent_fleet("codex", replay(("codex/exec-json-simple-answer-0.46.jsonl", 75),
+                                        ("codex/stderr-resume-no-rollout-found-0.137.0.txt", 1),
+                                        ("codex/exec-json-simple-answer-0.46.jsonl", 0), resume=True))
+    task_id = fleet.enqueue("work", "gone", {})
+    for _ in range(2):
+        fleet.run_shift("work", max_tasks=2, once=True)
+    task, runs = fleet.task(task_id), fleet.runs(task_id)
+    assert [r["outcome"] for r in runs] == ["handed_off", "session_dropped", "done"]
+    assert (task["state"], task["failures"]) == ("done", 0)
+    first = json.loads((CORPUS / "codex/exec-json-simple-answer-0.46.jsonl").read_text().splitlines()[0])["thread_id"]
+    assert [s["session"] for s in argv_seen(fleet, "gone")] == ["", first, ""]
+    (dropped,) = events(fleet, task_id, "session_dropped")
+    assert dropped["agent_session"] == first and "no rollout found for thread id" in dropped["note"]
+
+
 def test_a_session_recorded_on_another_host_is_not_resumed_here(agent_fleet) -> None:
     fleet = agent_fleet("claude", replay(("claude/stream-json-success-tool-use-2.1.3.jsonl", 75),
                                          ("claude/stream-json-success-minimal-2.1.7.jsonl", 0), resume=True))

@@ -761,6 +761,15 @@ def test_default_commands_resume_only_a_session(name: str, without: list[str], w
     assert render_argv(command, {"model": "", "agent_session": ""}) == [a for a in without if a not in ("--model", "m")]
 
 
+def test_codex_resume_of_a_thread_without_its_rollout_0_137_0() -> None:
+    r = read_sample("codex", "stderr-resume-no-rollout-found-0.137.0.txt")
+    assert r.session_missing is not None and r.session_missing.signal == "codex stderr"
+    assert r.session_missing.text == ("Error: thread/resume: thread/resume failed: no rollout found for thread id "
+                                      "019e9154-c304-70f0-adde-36efb1be1701 (code -32600)")
+    assert (r.final, r.succeeded, r.session_id, r.error) == (False, False, None, None)
+    assert (r.limit, r.transient) == (None, None)
+
+
 def test_codex_resume_command() -> None:
     codex = ADAPTERS["codex"]
     assert codex.resume is not None and codex.reports_cost is False
@@ -794,6 +803,7 @@ HAND_CHECKED = {
     "codex/exec-json-invalid-request-400-turn-failed.jsonl",
     "codex/rollout-token-count-resets-in-seconds-0.46.jsonl",
     "codex/rollout-vscode-session-0.104.jsonl",
+    "codex/stderr-resume-no-rollout-found-0.137.0.txt",
     "opencode/run-json-bash-tool-two-steps.jsonl",
     "opencode/run-json-step-start-finish-cost.jsonl",
     "opencode/run-json-error-model-not-found-1.14.25.jsonl",

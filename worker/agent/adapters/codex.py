@@ -26,6 +26,8 @@ What is read:
   again at 12:16 PM", the backend's ``usage_limit_reached`` body with ``resets_at``); transient:
   "exceeded retry limit, last status: 5xx", "stream disconnected", 5xx, "overloaded". A 401 is an
   ordinary failure;
+- ``exec resume`` of a thread it has no rollout of: "Error: thread/resume: thread/resume failed: no
+  rollout found for thread id …" on stderr, exit 1 (0.130, 0.137) → ``session_missing``;
 - usage windows: ``codex exec --json`` prints none (its ThreadEvent has no rate-limit event, and
   its JSONL processor drops the app-server's rate-limit notifications: corpus README "Codex usage
   windows"). They are in the session's rollout file (``~/.codex/sessions/…/rollout-*.jsonl``):
@@ -67,6 +69,8 @@ _LIMIT = re.compile(r"usage limit|usage_limit_reached|rate limit|last status: 42
 _RESETS_AT = re.compile(r'"resets_at"\s*:\s*(\d{9,11})\b')
 _TRANSIENT = re.compile(r"last status: 5\d\d\b|stream disconnected|\b(?:500|502|503|504|529)\b|overloaded|"
                         r"Internal Server Error|Bad Gateway|Service Unavailable", re.IGNORECASE)
+# `exec resume` of a thread it has no rollout of (stderr, exit 1; 0.130 and 0.137)
+_SESSION_MISSING = re.compile(r"no rollout found for thread")
 _PROVIDER = "openai"
 # the windows' lengths a name is given for (0.46 wrote 299 and 10079 for the same windows)
 _NAMED_MINUTES = ((300, "five_hour"), (7 * 24 * 60, "weekly"))
@@ -106,6 +110,10 @@ class CodexReader(StreamReader):
             payload = obj.get("payload")
             if isinstance(payload, dict) and payload.get("type") == "token_count":
                 self._rate_limits(payload.get("rate_limits"), timestamp(obj.get("timestamp")))
+
+    def plain(self, line: str) -> None:
+        if self.out.session_missing is None and _SESSION_MISSING.search(line):
+            self.out.session_missing = Signal("codex stderr", line[:500])
 
     def _rate_limits(self, snapshot: Any, at: Any) -> None:
         """A rollout's rate-limit snapshot (``null`` in some builds' exec sessions: openai/codex#14880)."""
