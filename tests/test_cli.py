@@ -205,6 +205,8 @@ def test_tasks_filters_and_json(db_url: str, config: Path, home: Path) -> None:
         store.enqueue("review", "r1")
         # user data that looks like rich markup is printed as is (it raised MarkupError)
         store.enqueue("review", "k[/x]", title="[/y] odd")
+        # and what looks like an emoji code (rich made ":smile:" 😄 of it)
+        store.enqueue("review", "a:smile:b", title="fix :bug: now")
         store.cancel(d2)
         store.cancel(d4)
 
@@ -214,7 +216,7 @@ def test_tasks_filters_and_json(db_url: str, config: Path, home: Path) -> None:
     assert rows[0]["key"] == "d3" and rows[0]["title"] == "third" and rows[0]["state"] == "queued"
 
     table = ok(fleet("tasks", url=db_url, config=config, cwd=home))
-    for text in ("d1", "d2", "d3", "r1", "k[/x]", "[/y] odd", "cancelled", "first"):
+    for text in ("d1", "d2", "d3", "r1", "k[/x]", "[/y] odd", "a:smile:b", "fix :bug: now", "cancelled", "first"):
         assert text in table
     assert table.index("k[/x]") < table.index("d3") < table.index("d1")
     assert d1

@@ -30,6 +30,7 @@ from typer.testing import CliRunner
 from monitor.cli.app import app
 from worker.db.migrate import load_migrations
 from worker.db.url import redact
+from worker.errors import one_line as message_line
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = '[lanes.docs]\ncommand = ["python", "-m", "worker.dev.example_agent", "{prompt_file}"]\nmax_running = 2\n'
@@ -66,7 +67,8 @@ MIGRATIONS = len(load_migrations())
 MISTAKES = [
     # the database cannot be reached, does not exist, or is not a URL: `fleet up` as every command
     Mistake("up-unreachable", ["up"], [f"cannot connect to the database {UNREACHABLE} (DATABASE_URL)",
-                                       "Connection refused"], env={"DATABASE_URL": UNREACHABLE}),
+                                       "Connection refused. Is the server running"],  # libpq's two lines, as one
+            env={"DATABASE_URL": UNREACHABLE}),
     Mistake("up-demo-unreachable", ["up", "--demo"], [f"cannot connect to the database {UNREACHABLE} (DATABASE_URL)"],
             env={"DATABASE_URL": UNREACHABLE}, config="demo.toml"),
     Mistake("up-no-such-database", ["up"], ["cannot connect to the database {nodb} (DATABASE_URL)",
@@ -285,8 +287,13 @@ def test_a_key_of_only_digits_is_reached_as_key_prefix(db_url: str, tmp_path: Pa
     assert f"task {second}: cancelled" in ok("cancel", f"key:{first}").stdout
     assert f"task {second}: queued" in ok("retry", f"key:{first}").stdout
     # `key:` before a key that itself starts with key:
-    third = int(ok("enqueue", "docs", "--key", "key:x").stdout)
+    third_queued = ok("enqueue", "docs", "--key", "key:x")
+    third = int(third_queued.stdout)
+    assert "key:key:x" in third_queued.stderr  # as typed: no ":key:" emoji (🔑) of rich's
     assert f"task {third} key:x" in ok("show", "key:key:x").stdout
+    # nor in an error: the key is named as given
+    missing = fleet("show", "x:smile:y", cwd=tmp_path, env=env)
+    assert missing.returncode == 1 and "'x:smile:y'" in missing.stderr
     with psycopg.connect(db_url, autocommit=True) as c:
         row = c.execute("select state from fleet.tasks where id = %s", (first,)).fetchone()
     assert row == ("queued",)  # the task of id N was never touched
@@ -336,3 +343,17 @@ def test_every_help_text_renders_as_written() -> None:
             assert Text.from_markup(text).plain == text, (path, text)
         first = re.split(r"\n\s*\n", (cmd.help or "").strip())[0]
         assert "\n" not in first, (path, first)
+
+
+@pytest.mark.parametrize(("text", "line"), [
+    # libpq's message of a refused connection, as psycopg 3 gives it
+    ('connection failed: connection to server at "127.0.0.1", port 5999 failed: Connection refused\n'
+     '\tIs the server running on that host and accepting TCP/IP connections?',
+     'connection failed: connection to server at "127.0.0.1", port 5999 failed: Connection refused. '
+     'Is the server running on that host and accepting TCP/IP connections?'),
+    ("one line  with  runs of blanks", "one line with runs of blanks"),
+    ("ends with a colon:\n\nthe rest\n", "ends with a colon: the rest"),
+    ("", ""),
+])
+def test_a_message_of_several_lines_is_one_line_of_sentences(text: str, line: str) -> None:
+    assert message_line(text) == line

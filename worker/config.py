@@ -598,6 +598,10 @@ class FleetConfig(_Strict):
     def base_dir(self) -> Path:
         return self.source.parent if self.source else Path.cwd()
 
+    def fix_hint(self) -> str:
+        """What a paused lane's reason says to do: fix the file this config was read from."""
+        return f"fix {self.source or 'fleet.toml'}, then `fleet lanes sync`"
+
     def path(self, p: Path) -> Path:
         return p if p.is_absolute() else self.base_dir / p
 

@@ -7,6 +7,16 @@ each to the exception here, so a caller never parses error text.
 from __future__ import annotations
 
 
+def one_line(text: str) -> str:
+    """A message of several lines (libpq's "Connection refused" and "Is the server running …") as
+    one, its runs of white space made one space and a full stop after a line that ends without
+    one."""
+    lines = [" ".join(line.split()) for line in text.splitlines()]
+    lines = [line for line in lines if line]
+    return " ".join(line if i == len(lines) - 1 or line[-1] in ".:;,!?" else line + "."
+                    for i, line in enumerate(lines))
+
+
 class FleetError(Exception):
     """Base of every error lanefleet raises on purpose. ``str(err)`` is one line for the user."""
 

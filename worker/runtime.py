@@ -23,7 +23,7 @@ from worker.config import FleetConfig, database_origin, load_config
 from worker.db.migrate import MigrateResult, newer, pending, refuse_newer
 from worker.db.migrate import migrate as run_migrations
 from worker.db.url import check_url, redact
-from worker.errors import ConfigError, DatabaseUnavailable, MigrationError
+from worker.errors import ConfigError, DatabaseUnavailable, MigrationError, one_line
 from worker.preflight import preflight
 from worker.store.postgres import PostgresStore
 from worker.store.sync import sync_config
@@ -105,12 +105,12 @@ class Runtime:
         try:
             yield
         except psycopg.OperationalError as exc:
-            reason = " ".join(str(exc).split())
+            reason = one_line(str(exc))
             raise DatabaseUnavailable(f"cannot connect to {self.database}: {reason}") from None
         except MigrationError as exc:
             raise MigrationError(f"{self.database}: {exc.message}", exc.hint) from None
         except psycopg.Error as exc:  # reached, but refused (no privilege to read or make the schema)
-            reason = exc.diag.message_primary or " ".join(str(exc).split())
+            reason = exc.diag.message_primary or one_line(str(exc))
             raise MigrationError(f"{self.database} refused: {reason}") from None
 
     def migrate(self, *, dry_run: bool = False) -> MigrateResult:

@@ -60,7 +60,8 @@ class FitTable:
         """Cells as rich markup (escape what a user wrote) or Text, one per column."""
         if len(cells) != len(self.cols):
             raise ValueError(f"{len(cells)} cells for {len(self.cols)} columns")
-        self.rows.append([c.copy() if isinstance(c, Text) else Text.from_markup(c) for c in cells])
+        # (no emoji codes: a key "a:smile:b" is shown as it is)
+        self.rows.append([c.copy() if isinstance(c, Text) else Text.from_markup(c, emoji=False) for c in cells])
 
     def add_section(self) -> None:
         self.rows.append(None)

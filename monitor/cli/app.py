@@ -33,7 +33,7 @@ from worker.cli import (
     tasks,
 )
 from worker.cli.context import err_console, root_callback
-from worker.errors import FleetError
+from worker.errors import FleetError, one_line
 
 
 def _flag_type_shown(self: typer.core.TyperOption, ctx: Any) -> str | None:
@@ -78,7 +78,7 @@ for command in (run.monitor, run.run, run.crontab, run.up, dashboards.status, da
 def _fail(message: str) -> None:
     # one line (a driver message can span several); it may quote user input ("[/x]"):
     # escape it, or rich reads it as markup
-    err_console.print(f"[red]error:[/] {escape(' '.join(message.split()))}", highlight=False, soft_wrap=True)
+    err_console.print(f"[red]error:[/] {escape(one_line(message))}", highlight=False, soft_wrap=True)
     sys.exit(1)
 
 

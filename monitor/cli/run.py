@@ -26,6 +26,7 @@ from worker.tables import Col, FitTable, fmt_cost, fmt_num
 
 if TYPE_CHECKING:
     from monitor.host import ShiftLauncher
+    from worker.config import FleetConfig
     from worker.models import RepairAction
     from worker.runtime import Runtime
 
@@ -87,8 +88,8 @@ def log_actions(actions: list[RepairAction]) -> None:
                  session=str(a.session_id)[:8] if a.session_id else None, **{"detail": a.detail} if a.detail else {})
 
 
-def paused_warning(lane: str, why: str) -> None:
-    err_console.print(f"warning: lane {lane} is paused: {escape(why)} (fix fleet.toml, then `fleet lanes sync`)",
+def paused_warning(cfg: FleetConfig, lane: str, why: str) -> None:
+    err_console.print(f"warning: lane {lane} is paused: {escape(why)} ({escape(cfg.fix_hint())})",
                       highlight=False, soft_wrap=True)
 
 
@@ -171,7 +172,7 @@ def run(
                 store.pause_lane(name, why)
             except LaneRetired:
                 continue
-            paused_warning(name, why)
+            paused_warning(r.cfg, name, why)
     retired = {row["name"] for row in store.query("list_lanes") if row["retired_at"] is not None}
     chosen = [name for name in chosen if name not in retired]
     url = r.url if r.cfg.fleet.store == "postgres" else None
@@ -333,7 +334,7 @@ def up(
     synced = r.sync_lanes(reasons)
     for name, why in reasons.items():
         if why is not None and synced.get(name) != "retired":
-            paused_warning(name, why)
+            paused_warning(r.cfg, name, why)
     # calls fail within seconds while the database restarts: the loop below waits it out
     store = r.store(call_budget=CALL_BUDGET)
     console.print(f"{r.database[:1].upper()}{r.database[1:]} is ready; {len(result.applied)} migration(s) applied; "

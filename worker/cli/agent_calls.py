@@ -74,7 +74,7 @@ def guard(args: Sequence[str]) -> int:
 
 
 def checkpoint(args: Sequence[str]) -> int:
-    from worker.errors import FleetError
+    from worker.errors import FleetError, one_line
     from worker.workspace.checkpoint import save_checkpoint
 
     p = _Parser(prog="fleet checkpoint", description=CHECKPOINT_HELP)
@@ -86,7 +86,7 @@ def checkpoint(args: Sequence[str]) -> int:
     try:
         save_checkpoint(workspace, ns.data)
     except FleetError as exc:
-        sys.stderr.write(f"error: {' '.join(str(exc).split())}\n")
+        sys.stderr.write(f"error: {one_line(str(exc))}\n")
         return 1
     except OSError as exc:  # --data @file that cannot be read
         sys.stderr.write(f"error: fleet checkpoint: {exc.filename}: {exc.strerror}\n")

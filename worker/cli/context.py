@@ -18,8 +18,10 @@ from rich.console import Console
 if TYPE_CHECKING:
     from worker.runtime import Runtime
 
-console = Console()
-err_console = Console(stderr=True)
+# no emoji codes: a key, a title or an error naming "a:smile:b" is printed as it is (rich's default
+# would print a😄b, and `key:key:x` as key🔑x)
+console = Console(emoji=False)
+err_console = Console(stderr=True, emoji=False)
 
 ConfigOpt = Annotated[
     Path | None,

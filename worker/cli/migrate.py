@@ -75,7 +75,7 @@ def lanes_sync(ctx: typer.Context, as_json: JsonOpt = False) -> None:
         label = name if name.startswith(("pool ", "profile ")) else f"lane {name}"
         console.print(f"{escape(label)}: {escape(what)}", highlight=False, soft_wrap=True)
     for name, why in paused.items():
-        err_console.print(f"lane {name}: paused: {escape(why)} (fix fleet.toml, then `fleet lanes sync` again)",
+        err_console.print(f"lane {name}: paused: {escape(why)} ({escape(r.cfg.fix_hint())} again)",
                           highlight=False, soft_wrap=True)
     for name in others:
         console.print(f"lane {name}: in the database, not in the config (`fleet lanes retire {name}` retires it)",

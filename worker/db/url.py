@@ -9,7 +9,7 @@ import re
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from worker.errors import ConfigError
+from worker.errors import ConfigError, one_line
 
 # a URL's user:password@ and a password=... parameter (of a URL's query or of a key=value string)
 _URL_PASSWORD = re.compile(r"^(?P<head>[a-z]+://[^/@:]*):[^/@]*@", re.IGNORECASE)
@@ -28,7 +28,7 @@ def check_url(url: str, origin: str) -> str:
     try:
         conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
-        reason = " ".join(str(exc).split())
+        reason = one_line(str(exc))
         raise ConfigError(f"{origin}: {redact(url)!r} is not a database URL: {reason}",
                           "e.g. postgresql://user@127.0.0.1:5432/fleet") from None
     return url

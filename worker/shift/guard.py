@@ -64,6 +64,7 @@ from uuid import UUID
 
 import structlog
 
+from worker.errors import one_line
 from worker.store.protocol import Store
 
 SOCKET_NAME = "guard.sock"
@@ -139,7 +140,7 @@ def check(store: Store, request: Any, given: Mapping[UUID, int]) -> dict[str, An
         answer = store.lease_held(task, token)
     except Exception as exc:  # a database error, a refused key: either way, the lease is not confirmed
         return {"held": False, "state": None, "valid_for": 0.0,
-                "error": " ".join(str(exc).split())[:500] or type(exc).__name__}
+                "error": one_line(str(exc))[:500] or type(exc).__name__}
     return {"held": answer.held, "state": answer.state, "valid_for": answer.valid_for,
             "token_matches": answer.token_matches, "error": None}
 

@@ -582,7 +582,7 @@ class Shift:
         if why is not None:
             self.store.pause_lane(self.lane_name, why)
             self.log.error("lane paused: its config is wrong", reason=why)
-            raise ConfigError(f"lane {self.lane_name} paused: {why}", "fix fleet.toml, then `fleet lanes sync`")
+            raise ConfigError(f"lane {self.lane_name} paused: {why}", self.cfg.fix_hint())
 
     def _env_file(self, where: str, path: Path) -> dict[str, str]:
         if path not in self._env_files:

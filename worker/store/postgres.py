@@ -48,6 +48,7 @@ from worker.errors import (
     FleetError,
     InvalidInput,
     conflict,
+    one_line,
 )
 from worker.models import Heartbeat, LeaseAnswer, RepairAction, Task
 from worker.store.protocol import (
@@ -79,7 +80,7 @@ def translate(exc: psycopg.Error, name: str = "the database") -> FleetError:
         return FleetError(diag.message_primary or str(exc),
                           "the database is not migrated (run `fleet migrate`), or a newer lanefleet migrated it"
                           " (upgrade this host)")
-    message = diag.message_primary or " ".join(str(exc).split()) or type(exc).__name__
+    message = diag.message_primary or one_line(str(exc)) or type(exc).__name__
     kind = conflict(exc.sqlstate)
     if kind is not None:
         return DatabaseUnavailable(f"{name} rolled the call back ({kind}, {exc.sqlstate}): {message}",
@@ -188,7 +189,7 @@ class PostgresStore(NamedReads):
                 lost = exc.sqlstate is None or exc.sqlstate[:2] in ("08", "57") or exc.sqlstate == "40003"
                 if not isinstance(exc, psycopg.OperationalError) or not lost:
                     raise translate(exc, self.name) from exc
-                reason = exc.diag.message_primary or " ".join(str(exc).split())  # one line, without CONTEXT
+                reason = exc.diag.message_primary or one_line(str(exc))  # one line, without CONTEXT
                 if idempotent:
                     raise _Transient(reason) from exc
                 raise DatabaseUnavailable(
