@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from fleetkit import Backend, Fleet, lane_defaults
 
-from worker.shift.limits import reset_time, usage_limit
+from worker.agent.adapters import adapter
+from worker.shift.limits import judge, reset_time, usage_limit
 
 CORPUS = Path(__file__).resolve().parent / "agents" / "corpus"
 REPLAY = str(Path(__file__).resolve().parent / "agents" / "replay.py")
@@ -104,6 +105,7 @@ def wordings(name: str) -> list[dict[str, Any]]:
 
 
 def test_every_claude_limit_wording_of_the_corpus_is_a_limit_when_the_run_failed() -> None:
+    # ("You're out of extra usage · resets …" of 2.1.123 and 2.1.143 among them)
     missed = [w for w in wordings("claude-limit-wordings.jsonl")
               if usage_limit(None, 1, None, str(w.get("text", "")), now=NOW) is None]
     assert missed == []
@@ -154,6 +156,19 @@ def wording(name: str, fragment: str) -> str:
      datetime(2026, 4, 1, 0, 0, tzinfo=UTC), None),
     ("codex-limit-wordings.jsonl", "try again in 5 days 22 hours 11 minutes", None, 5 * 86400 + 22 * 3600 + 11 * 60),
     ("codex-limit-wordings.jsonl", "try again at 12:16", datetime(2026, 12, 1, 12, 16, tzinfo=UTC), None),
+    # Claude Code 2.1.143: 14:00 in Warsaw (CET, UTC+1) now; 20:40 CET today is 19:40 UTC
+    ("claude-limit-wordings.jsonl", "out of extra usage · resets 8:40pm (Europe/Warsaw)",
+     datetime(2026, 11, 30, 19, 40, tzinfo=UTC), None),
+    # codex-cli 0.153.4: a date with an ordinal and the year, a 12-hour clock and no zone (read as
+    # UTC, like "try again at 12:16 PM"; the CLI printed its machine's local time, +02:00 there)
+    ("codex-limit-wordings.jsonl", "try again at Sep 15th, 2026 7:59 PM", datetime(2026, 9, 15, 19, 59, tzinfo=UTC),
+     None),
+    ("codex-limit-wordings.jsonl", "try again at Apr 28th, 2026 10:03 PM", datetime(2026, 4, 28, 22, 3, tzinfo=UTC),
+     None),
+    ("codex-limit-wordings.jsonl", "try again at Jul 23rd, 2026 4:15 AM", datetime(2026, 7, 23, 4, 15, tzinfo=UTC),
+     None),
+    ("codex-limit-wordings.jsonl", "try again at Aug 20, 2026, 7:38 AM", datetime(2026, 8, 20, 7, 38, tzinfo=UTC),
+     None),
     # Gemini CLI's units written together: a span, not "reset … 3" read as 3 o'clock
     ("gemini-quota-wordings.jsonl", "reset after 3h5m30s", None, 3 * 3600 + 5 * 60 + 30),
     ("gemini-quota-wordings.jsonl", "reset after 21h41m24s", None, 21 * 3600 + 41 * 60 + 24),
@@ -170,3 +185,39 @@ def test_a_dated_reset_months_ahead_is_not_believed_but_a_near_one_is() -> None:
     near = usage_limit(None, 1, wording("claude-limit-wordings.jsonl", "resets Oct 31, 9am"), "",
                        now=datetime(2026, 10, 29, 8, 0, tzinfo=UTC))
     assert near is not None and near.until == datetime(2026, 10, 31, 9, 0, tzinfo=UTC)
+
+
+# ------------------------------------------------------------------------------------------------
+# Claude Code's "out of extra usage" result, Codex 0.153.4's dated limit line
+
+
+EXTRA_USAGE = "claude/stream-json-result-out-of-extra-usage-exit1.jsonl"
+# the harness logged that run at 2026-04-21 00:19:38 UTC
+EXTRA_USAGE_AT = datetime(2026, 4, 21, 0, 19, 38, tzinfo=UTC)
+
+
+def test_out_of_extra_usage_with_exit_1_is_a_limit_until_its_reset() -> None:
+    text = (CORPUS / EXTRA_USAGE).read_text()
+    reading = adapter("claude").reader().feed(text)
+    verdict = judge(reading, 1, None, text, resumed=False, now=EXTRA_USAGE_AT)
+    assert verdict.kind == "throttled"
+    # Apr 24, 4am in Tokyo (UTC+9) is Apr 23, 19:00 UTC: 2 days 18 h ahead, believed
+    assert verdict.limit is not None and verdict.limit.until == datetime(2026, 4, 23, 19, 0, tzinfo=UTC)
+
+
+def test_out_of_extra_usage_replayed_throttles(replay_fleet) -> None:
+    fleet = replay_fleet(EXTRA_USAGE, 1)
+    task = fleet.enqueue("work", "extra-usage", {})
+    fleet.run_shift("work", max_tasks=1, once=True)
+    row, run = fleet.task(task), fleet.runs(task)[0]
+    assert (row["state"], row["failures"], run["outcome"]) == ("queued", 0, "throttled")
+
+
+def test_codex_0_153_dated_limit_line_on_stderr_is_a_limit() -> None:
+    # `codex exec` (no --json) printed it on stderr and exited 1: no records, the text says it
+    line = wording("codex-limit-wordings.jsonl", "Sep 15th, 2026 7:59 PM")
+    reading = adapter("codex").reader().feed(line + "\n")
+    assert (reading.final, reading.limit) == (False, None)
+    verdict = judge(reading, 1, None, line + "\n", resumed=False, now=datetime(2026, 9, 11, 4, 8, tzinfo=UTC))
+    assert verdict.kind == "throttled" and verdict.limit is not None
+    assert verdict.limit.note == line and verdict.limit.signal == "pattern 'usage limit'"

@@ -113,6 +113,8 @@ DEFAULT_LIMIT_PATTERNS = [
     # Claude Code's wordings since 2.x: "5-hour limit reached ∙ resets 12pm", "You've hit your
     # weekly limit · resets Sep 15 at 7pm"
     r"\blimit reached\b", r"hit your (?:\w+ )?limit",
+    # and past the plan's own, its paid overage: "You're out of extra usage · resets 8:40pm (…)"
+    r"out of extra usage",
 ]
 ESCALATING = ["unverified-exit", "verify-failed", "stalled"]
 

@@ -243,6 +243,27 @@ def test_claude_error_during_execution_with_is_error_false() -> None:
     assert r.cost_usd == 0.6571631500000001 and r.session_id == "xxxxxxxxx"
 
 
+CLAUDE_EXTRA_USAGE = "stream-json-result-out-of-extra-usage-exit1.jsonl"
+
+
+def test_claude_out_of_extra_usage_result() -> None:
+    r = read_sample("claude", CLAUDE_EXTRA_USAGE)
+    # the harness logged "Claude Code failed with exit code 1": subtype "success" with is_error
+    # true, 371 ms, no API call (duration_api_ms 0), one turn, every count 0, modelUsage {}
+    assert (r.final, r.succeeded, r.subtype) == (True, False, "success")
+    assert r.error == "You're out of extra usage · resets Apr 24, 4am (Asia/Tokyo)"
+    assert r.summary == "You're out of extra usage · resets Apr 24, 4am (Asia/Tokyo)"
+    assert r.session_id == "72c16fd3-1f84-4478-afe7-144dbe9b85a3"
+    assert r.tokens == Tokens() and r.by_model == {} and r.cost_usd == 0.0  # total_cost_usd 0
+    assert (r.transient, r.session_missing, r.windows) == (None, None, [])
+
+
+def test_claude_out_of_extra_usage_result_is_a_limit() -> None:
+    r = read_sample("claude", CLAUDE_EXTRA_USAGE)
+    assert r.limit is not None and r.limit.signal == "result is_error"
+    assert r.limit.text == "You're out of extra usage · resets Apr 24, 4am (Asia/Tokyo)"
+
+
 def test_claude_plain_text_limit_is_left_to_the_shift() -> None:
     r = read_sample("claude", "text-print-limit-exit1.txt")
     # no record at all: the shift's text patterns read "You've hit your limit · resets 1pm …"
@@ -554,10 +575,14 @@ def test_opencode_first_step_finish_with_cost() -> None:
      "Unexpected server error. Check server logs for details."),
     ("run-json-error-direct-access-token-401.jsonl", "ses_0718724eaffe3Oo6svlXn9Yl8g",
      'Failed to get direct access token: 401 Unauthorized - {"message":"401 Unauthorized"}'),
+    # 1.18.29 (anomalyco/opencode#47972): the same wording as 1.16.2, now with the run's own
+    # session id, and the process exits 1 after it
+    ("run-json-error-unknown-server-error-exit1-1.18.29.jsonl", "ses_f7eaf57b4ffeRoCprFrTfUsZZJ",
+     "Unexpected server error. Check server logs for details."),
 ])
 def test_opencode_error_events(name: str, session: str, error: str) -> None:
     r = read_sample("opencode", name)
-    # opencode exits 0 after these: the error event alone says the run failed
+    # 1.14.25 exits 0 after its error event, 1.18.29 exits 1: either way the event alone says the run failed
     assert (r.final, r.succeeded, r.subtype) == (True, False, "UnknownError")
     assert (r.session_id, r.error) == (session, error)
     assert (r.limit, r.transient) == (None, None)  # no statusCode: none is a limit or a provider 5xx
@@ -792,6 +817,7 @@ HAND_CHECKED = {
     "claude/json-single-object-success.json",
     "claude/result-error-during-execution-is-error-false.json",
     "claude/text-print-limit-exit1.txt",
+    "claude/stream-json-result-out-of-extra-usage-exit1.jsonl",
     "codex/exec-json-simple-answer-0.46.jsonl",
     "codex/exec-json-command-execution-0.46.jsonl",
     "codex/exec-json-full-session-todo-file-change.jsonl",
@@ -810,6 +836,7 @@ HAND_CHECKED = {
     "opencode/run-json-error-unknown-server-error-1.16.2.jsonl",
     "opencode/run-json-error-direct-access-token-401.jsonl",
     "opencode/run-json-session-not-found-stderr-1.14.19.txt",
+    "opencode/run-json-error-unknown-server-error-exit1-1.18.29.jsonl",
     "gemini/stream-json-hello-0.26.0.jsonl",
     "gemini/stream-json-assistant-deltas-partial.jsonl",
     "gemini/json-output-2plus2-0.6.1.json",

@@ -227,6 +227,10 @@ _SPAN_PART = re.compile(r"(\d+(?:\.\d+)?)\s*([dhms])", re.IGNORECASE)
 # "resets Oct 31, 9am", "resets Sep 15 at 7pm", "resets Jan 18, 11:30am (Asia/Calcutta)"
 _DATED = re.compile(r"\breset(?:s|ting)?\b(?:\s+on)?\s+(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?\s+(\d{1,2})"
                     r"(?:,|\s+at)?\s+(\d{1,2})(?::(\d{2}))?\s*(am|pm)?(?:\s*\(([^)]+)\))?", re.IGNORECASE)
+# Codex: "try again at Apr 28th, 2026 10:03 PM", "… at Aug 20, 2026, 7:38 AM" (a year, so the date
+# as written; no zone: read as UTC, as a clock without one is — the CLI prints its machine's time)
+_DATED_YEAR = re.compile(r"\b(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?\s+(\d{1,2})(?:st|nd|rd|th)?,?"
+                         r"\s+(\d{4}),?\s+(?:at\s+)?(\d{1,2}):(\d{2})\s*(am|pm)?(?:\s*\(([^)]+)\))?", re.IGNORECASE)
 # "regain access on 2026-04-01 at 00:00 UTC"
 _DATE_AT = re.compile(r"\b(\d{4}-\d{2}-\d{2})\s+at\s+(\d{1,2}):(\d{2})\s*(UTC|GMT)?", re.IGNORECASE)
 _MONTHS = ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"]
@@ -259,6 +263,15 @@ def reset_time(text: str, now: datetime | None = None) -> tuple[datetime | None,
     m = _SPAN.search(text)
     if m:
         return None, sum(float(n) * _UNIT[u.lower()] for n, u in _SPAN_PART.findall(m.group(1)))
+    m = _DATED_YEAR.search(text)
+    if m:
+        hour, minute = _hour(int(m.group(4)), (m.group(6) or "").lower()), int(m.group(5))
+        try:
+            when = datetime(int(m.group(3)), _MONTHS.index(m.group(1)[:3].lower()) + 1, int(m.group(2)), hour,
+                            minute, tzinfo=_zone(m.group(7)))
+        except ValueError:
+            return None, None
+        return when.astimezone(UTC), None
     m = _DATED.search(text)
     if m:
         return _dated(m, now), None
