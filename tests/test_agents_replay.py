@@ -304,60 +304,32 @@ def test_a_session_the_agent_cannot_find_is_dropped_without_spending_an_attempt(
     assert task["agent_session"] == "1d1e46f9-35c7-4834-b529-846d5bb82288"
 
 
-def test_an_opencode_session_not_found_with_exit_0_is_dropped_not_done(agent_fleet) -> None:
-    # attempt 1: opencode's two-step session ses_… hands off (exit 75); attempt 2 resumes it and
-    # opencode 1.14.19 says "Session not found" on stderr, prints nothing else and exits 0
-    # (anomalyco/opencode#27559); attempt 3 starts fresh and the same session succeeds
-    fleet = agent_fleet("opencode", replay(("opencode/run-json-bash-tool-two-steps.jsonl", 75),
-                                           ("opencode/run-json-session-not-found-stderr-1.14.19.txt", 0),
-                                           ("opencode/run-json-bash-tool-two-steps.jsonl", 0), resume=True))
+@pytest.mark.parametrize(("agent", "session", "id_field", "missing", "code", "said"), [
+    # opencode 1.14.19 (anomalyco/opencode#27559): "Session not found" on stderr, nothing else, exit 0
+    ("opencode", "opencode/run-json-bash-tool-two-steps.jsonl", "sessionID",
+     "opencode/run-json-session-not-found-stderr-1.14.19.txt", 0, "Session not found: ses_doesnotexist"),
+    # Gemini CLI 0.42.0 (switchboard's capture): "Error resuming session: Invalid session identifier", exit 42
+    ("gemini", "gemini/stream-json-hello-0.26.0.jsonl", "session_id",
+     "gemini/stderr-resume-unknown-session-0.42.0.txt", 42, "Invalid session identifier"),
+    # Codex 0.137.0 (vm0-ai/vm0#16125): "no rollout found for thread id …" on stderr, exit 1
+    ("codex", "codex/exec-json-simple-answer-0.46.jsonl", "thread_id",
+     "codex/stderr-resume-no-rollout-found-0.137.0.txt", 1, "no rollout found for thread id"),
+], ids=["opencode", "gemini", "codex"])
+def test_each_clis_session_it_cannot_resume_is_dropped_whatever_its_exit_code(
+        agent_fleet, agent: str, session: str, id_field: str, missing: str, code: int, said: str) -> None:
+    # attempt 1: a real session hands off (exit 75); attempt 2 resumes it and the CLI says, in its
+    # own words, that it has no such session; attempt 3 starts fresh and the same sample succeeds
+    fleet = agent_fleet(agent, replay((session, 75), (missing, code), (session, 0), resume=True))
     task_id = fleet.enqueue("work", "gone", {})
     for _ in range(2):
         fleet.run_shift("work", max_tasks=2, once=True)
     task, runs = fleet.task(task_id), fleet.runs(task_id)
     assert [r["outcome"] for r in runs] == ["handed_off", "session_dropped", "done"]
     assert (task["state"], task["failures"]) == ("done", 0)
-    first = json.loads((CORPUS / "opencode/run-json-bash-tool-two-steps.jsonl").read_text().splitlines()[0])["sessionID"]
+    first = json.loads((CORPUS / session).read_text().splitlines()[0])[id_field]
     assert [s["session"] for s in argv_seen(fleet, "gone")] == ["", first, ""]
     (dropped,) = events(fleet, task_id, "session_dropped")
-    assert dropped["agent_session"] == first and "Session not found: ses_doesnotexist" in dropped["note"]
-
-
-def test_a_gemini_session_it_cannot_resume_is_dropped(agent_fleet) -> None:
-    # attempt 1: the 0.26.0 session hands off (exit 75); attempt 2 resumes it and Gemini CLI 0.42.0
-    # says "Error resuming session: Invalid session identifier …" on stderr, exit 42 (switchboard's
-    # capture); attempt 3 starts fresh and succeeds
-    fleet = agent_fleet("gemini", replay(("gemini/stream-json-hello-0.26.0.jsonl", 75),
-                                         ("gemini/stderr-resume-unknown-session-0.42.0.txt", 42),
-                                         ("gemini/stream-json-hello-0.26.0.jsonl", 0), resume=True))
-    task_id = fleet.enqueue("work", "gone", {})
-    for _ in range(2):
-        fleet.run_shift("work", max_tasks=2, once=True)
-    task, runs = fleet.task(task_id), fleet.runs(task_id)
-    assert [r["outcome"] for r in runs] == ["handed_off", "session_dropped", "done"]
-    assert (task["state"], task["failures"]) == ("done", 0)
-    first = json.loads((CORPUS / "gemini/stream-json-hello-0.26.0.jsonl").read_text().splitlines()[0])["session_id"]
-    assert [s["session"] for s in argv_seen(fleet, "gone")] == ["", first, ""]
-    (dropped,) = events(fleet, task_id, "session_dropped")
-    assert dropped["agent_session"] == first and "Invalid session identifier" in dropped["note"]
-
-
-def test_a_codex_thread_without_its_rollout_is_dropped(agent_fleet) -> None:
-    # attempt 1: the 0.46 thread hands off (exit 75); attempt 2 resumes it and Codex 0.137.0 says
-    # "no rollout found for thread id …" on stderr, exit 1 (vm0-ai/vm0#16125); attempt 3 starts fresh
-    fleet = agent_fleet("codex", replay(("codex/exec-json-simple-answer-0.46.jsonl", 75),
-                                        ("codex/stderr-resume-no-rollout-found-0.137.0.txt", 1),
-                                        ("codex/exec-json-simple-answer-0.46.jsonl", 0), resume=True))
-    task_id = fleet.enqueue("work", "gone", {})
-    for _ in range(2):
-        fleet.run_shift("work", max_tasks=2, once=True)
-    task, runs = fleet.task(task_id), fleet.runs(task_id)
-    assert [r["outcome"] for r in runs] == ["handed_off", "session_dropped", "done"]
-    assert (task["state"], task["failures"]) == ("done", 0)
-    first = json.loads((CORPUS / "codex/exec-json-simple-answer-0.46.jsonl").read_text().splitlines()[0])["thread_id"]
-    assert [s["session"] for s in argv_seen(fleet, "gone")] == ["", first, ""]
-    (dropped,) = events(fleet, task_id, "session_dropped")
-    assert dropped["agent_session"] == first and "no rollout found for thread id" in dropped["note"]
+    assert dropped["agent_session"] == first and said in dropped["note"]
 
 
 def test_a_session_recorded_on_another_host_is_not_resumed_here(agent_fleet) -> None:
