@@ -221,3 +221,22 @@ def test_codex_0_153_dated_limit_line_on_stderr_is_a_limit() -> None:
     verdict = judge(reading, 1, None, line + "\n", resumed=False, now=datetime(2026, 9, 11, 4, 8, tzinfo=UTC))
     assert verdict.kind == "throttled" and verdict.limit is not None
     assert verdict.limit.note == line and verdict.limit.signal == "pattern 'usage limit'"
+    # the date it names, read as UTC (four days ahead: believed)
+    assert verdict.limit.until == datetime(2026, 9, 15, 19, 59, tzinfo=UTC)
+
+
+def test_a_resumed_run_that_did_work_and_exited_0_is_done_whatever_it_quotes() -> None:
+    # the opencode line of "Session not found" (anomalyco/opencode#27559), in a run that also
+    # showed a session and tokens: done; the same line alone (1.14.19's whole output): dropped
+    line = (CORPUS / "opencode/run-json-session-not-found-stderr-1.14.19.txt").read_text()
+    alone = adapter("opencode").reader().feed(line)
+    assert judge(alone, 0, None, line, resumed=True, now=NOW).kind == "session_dropped"
+    worked = (CORPUS / "opencode/run-json-bash-tool-two-steps.jsonl").read_text().splitlines()[0] + "\n" + line
+    reading = adapter("opencode").reader().feed(worked)
+    assert reading.session_missing is not None and reading.session_id is not None
+    assert judge(reading, 0, None, worked, resumed=True, now=NOW).kind == "done"
+
+
+@pytest.mark.parametrize("text", ["HTTP 429 in 5d41402abc4b2a76b9719d911017c592", "wait after 2h3f9a1c"])
+def test_a_span_whose_last_unit_runs_into_a_word_is_no_delay(text: str) -> None:
+    assert reset_time(text, now=NOW) == (None, None)

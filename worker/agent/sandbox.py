@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Literal
 
 from worker.config import ENV_NAME, FleetConfig, LaneConfig, ProfileConfig
-from worker.errors import ConfigError
+from worker.errors import ConfigError, one_line
 from worker.files import own_folder, write_atomic
 
 Mode = Literal["bwrap", "none"]
@@ -207,7 +207,7 @@ def bwrap_problem() -> str | None:
                                   check=False)
             why = None if done.returncode == 0 else (
                 f"bwrap cannot make its sandbox here (exit {done.returncode}: "
-                f"{' '.join((done.stderr or done.stdout).split())[:300] or 'no message'})")
+                f"{one_line(done.stderr or done.stdout)[:300] or 'no message'})")
         except (OSError, subprocess.TimeoutExpired) as exc:
             why = f"bwrap cannot make its sandbox here ({exc})"
         _PROBED[binary] = why

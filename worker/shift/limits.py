@@ -12,8 +12,9 @@ structured records — and falls back to text only for a run that did not succee
   included), else the final message and the whole tail (never a ``rate_limit_event`` record:
   ordinary sessions carry them too).
   :func:`reset_time` reads the reset the message names (an epoch after ``|``, an ISO time, "resets
-  3pm (Europe/Berlin)", "resets Oct 31, 9am", "try again at 12:16 PM", "try again in 5 days 22
-  hours", "retry after 120", "on 2026-04-01 at 00:00 UTC"). A reset in the past, or further ahead
+  3pm (Europe/Berlin)", "resets Oct 31, 9am", "try again at 12:16 PM", "try again at Sep 15th, 2026
+  7:59 PM", "try again in 5 days 22 hours", "reset after 3h5m30s", "retry after 120", "on
+  2026-04-01 at 00:00 UTC"; a time without a zone is UTC). A reset in the past, or further ahead
   than LONGEST_RESET, is not believed and the profile's ``throttle_backoff`` applies; the
   database never queues the task sooner than the profile's ``throttle_floor``.
 - **Transient provider errors** (overloaded, 5xx, a reset connection): the adapter's signal, else
@@ -65,9 +66,11 @@ def judge(reading: Reading, code: int, profile: ProfileConfig | None, output_tai
           resumed: bool, now: datetime | None = None) -> Verdict:
     """What the run's end means. ``resumed``: this attempt was told to resume an agent session.
     Exit 75 (a hand-off) and the shift's own stops are the shift's to handle before this."""
-    # a session it was told to resume and could not find, whatever its exit code: opencode 1.14.19
-    # says so on stderr alone and exits 0 (anomalyco/opencode#27559), having done nothing
-    if resumed and reading.session_missing is not None and not reading.succeeded:
+    # a session it was told to resume and could not find: opencode 1.14.19 says so on stderr alone
+    # and exits 0 (anomalyco/opencode#27559). With exit 0, only a run that showed nothing else (no
+    # record, no session, no message, no tokens): one that did work may quote such words
+    if resumed and reading.session_missing is not None and not reading.succeeded and (
+            code != 0 or not (reading.final or reading.session_id or reading.summary or reading.tokens.total)):
         return Verdict("session_dropped", reading.session_missing.text)
     # exit 0 is done unless the CLI's own end-of-run record says otherwise (Claude Code's is_error,
     # opencode's error event: both exit 0); a run without such a record is the shift's to judge
@@ -222,7 +225,7 @@ _RETRY_AFTER = re.compile(r"retry[- ]after:?\s*(\d+)\b", re.IGNORECASE)
 # a delay: "try again in 20 minutes", "in 5 days 22 hours 11 minutes", "reset after 3h5m30s" (Gemini
 # CLI: a unit followed at once by the next number)
 _SPAN = re.compile(r"\b(?:in|after)\s+((?:\d+(?:\.\d+)?\s*(?:days?|d|hours?|hrs?|h|minutes?|mins?|m|seconds?|secs?|s)(?:\b|(?=\d))"
-                   r"[\s,]*(?:and\s+)?)+)", re.IGNORECASE)
+                   r"[\s,]*(?:and\s+)?)+)(?!\w)", re.IGNORECASE)  # (the last unit ends a word: not "5d41402abc")
 _SPAN_PART = re.compile(r"(\d+(?:\.\d+)?)\s*([dhms])", re.IGNORECASE)
 # "resets Oct 31, 9am", "resets Sep 15 at 7pm", "resets Jan 18, 11:30am (Asia/Calcutta)"
 _DATED = re.compile(r"\breset(?:s|ting)?\b(?:\s+on)?\s+(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?\s+(\d{1,2})"

@@ -62,7 +62,7 @@ _NO_CONVERSATION = "No conversation found with session ID"
 _SYNTHETIC = "<synthetic>"
 # a usage limit's wording (limits/claude-limit-wordings.jsonl): "5-hour limit reached ∙ resets
 # 12pm", "You've hit your session limit · …", "Claude AI usage limit reached|<epoch>", "You have
-# reached your specified API usage limits"
+# reached your specified API usage limits", "You're out of extra usage · resets …"
 _LIMIT_TEXT = re.compile(r"limit reached|hit your (?:\w+ )?limit|usage limits?\b|out of extra usage", re.IGNORECASE)
 _TRANSIENT_STATUS = frozenset({500, 502, 503, 504, 529})
 _PROVIDER = "anthropic"

@@ -70,7 +70,8 @@ _RESETS_AT = re.compile(r'"resets_at"\s*:\s*(\d{9,11})\b')
 _TRANSIENT = re.compile(r"last status: 5\d\d\b|stream disconnected|\b(?:500|502|503|504|529)\b|overloaded|"
                         r"Internal Server Error|Bad Gateway|Service Unavailable", re.IGNORECASE)
 # `exec resume` of a thread it has no rollout of (stderr, exit 1; 0.130 and 0.137)
-_SESSION_MISSING = re.compile(r"no rollout found for thread")
+# (the CLI's own line, from its start: an agent's words quoting it are not)
+_SESSION_MISSING = re.compile(r"^\s*Error: thread/resume: .*no rollout found for thread")
 _PROVIDER = "openai"
 # the windows' lengths a name is given for (0.46 wrote 299 and 10079 for the same windows)
 _NAMED_MINUTES = ((300, "five_hour"), (7 * 24 * 60, "weekly"))

@@ -49,7 +49,8 @@ _TRANSIENT = re.compile(r"\bUNAVAILABLE\b|overloaded|\b50[0-4]\b|Invalid stream:
 
 
 # `--resume` of a session it does not have (stderr, exit 42: switchboard's probes of 0.42.0)
-_SESSION_MISSING = re.compile(r"Error resuming session|Invalid session identifier")
+# (the CLI's own line, from its start: an agent's words quoting it are not)
+_SESSION_MISSING = re.compile(r"^\s*Error resuming session: Invalid session identifier")
 
 
 def _stream_tokens(stats: dict[str, Any]) -> Tokens:
