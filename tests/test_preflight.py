@@ -117,7 +117,8 @@ def test_lanes_sync_pauses_a_lane_whose_agent_is_not_on_path_and_a_fixed_config_
     assert done.returncode == 0, done.stderr
     why = f"lanes.bad.command: the agent program 'no-such-agent-anywhere' is not on PATH on host {HOST}"
     # (the file the config came from, by its path: a fleet may be run with --config elsewhere)
-    assert f"lane bad: paused: {why} (fix {f.toml.resolve()}, then `fleet lanes sync` again)" in done.stderr
+    toml = f.toml.resolve()
+    assert f"lane bad: paused: {why} (fix {toml}, then `fleet --config {toml} lanes sync` again)" in done.stderr
     assert "lane work: unchanged" in done.stdout
     assert (lane_row(f, "bad")["paused"], lane_row(f, "bad")["paused_reason"]) == (False, why)
     assert lane_row(f, "work")["paused_reason"] is None
@@ -151,7 +152,7 @@ def test_a_shift_whose_lane_config_is_wrong_pauses_the_lane_before_it_claims_any
         f.run_shift("bad")
     assert str(err.value).startswith("lane bad paused: lanes.bad.hidden_files: no hidden-file set 'clade'")
     assert "lanes.bad.command: the agent program 'no-such-agent-anywhere' is not on PATH" in str(err.value)
-    assert str(err.value).endswith(f"(fix {f.toml.resolve()}, then `fleet lanes sync`)")
+    assert str(err.value).endswith(f"(fix {f.toml.resolve()}, then `fleet --config {f.toml.resolve()} lanes sync`)")
     assert lane_row(f, "bad")["paused_reason"] == err.value.message.removeprefix("lane bad paused: ")
     assert (f.task(task)["state"], f.task(task)["attempts"]) == ("queued", 0)
     assert f.sql("select count(*) as n from fleet.sessions")[0]["n"] == 0

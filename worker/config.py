@@ -601,8 +601,11 @@ class FleetConfig(_Strict):
         return self.source.parent if self.source else Path.cwd()
 
     def fix_hint(self) -> str:
-        """What a paused lane's reason says to do: fix the file this config was read from."""
-        return f"fix {self.source or 'fleet.toml'}, then `fleet lanes sync`"
+        """What a paused lane's reason says to do: fix the file this config was read from, and sync
+        that file (a shift started with ``--config`` elsewhere: a bare ``fleet`` reads another)."""
+        if self.source is None:
+            return "fix fleet.toml, then `fleet lanes sync`"
+        return f"fix {self.source}, then `fleet --config {self.source} lanes sync`"
 
     def path(self, p: Path) -> Path:
         return p if p.is_absolute() else self.base_dir / p
