@@ -237,6 +237,13 @@ def test_a_resumed_run_that_did_work_and_exited_0_is_done_whatever_it_quotes() -
     assert judge(reading, 0, None, worked, resumed=True, now=NOW).kind == "done"
 
 
+@pytest.mark.parametrize("fragment", ["try again at 10 de jul. de 2026, 11:52", "wait for limits to reset (every 5h"])
+def test_a_number_that_is_no_clock_names_no_reset(fragment: str) -> None:
+    # Codex's pt-BR date (openai/codex#28089) and its "(every 5h and every week.)": once read as
+    # 10:00 and 05:00 today, believed, and retried too early
+    assert reset_time(wording("codex-limit-wordings.jsonl", fragment), now=NOW) == (None, None)
+
+
 @pytest.mark.parametrize("text", ["HTTP 429 in 5d41402abc4b2a76b9719d911017c592", "wait after 2h3f9a1c"])
 def test_a_span_whose_last_unit_runs_into_a_word_is_no_delay(text: str) -> None:
     assert reset_time(text, now=NOW) == (None, None)

@@ -219,8 +219,10 @@ def _believed(until: datetime | None, after: float | None, backoff: float,
 
 _EPOCH = re.compile(r"\|\s*(\d{10})(?:\d{3})?\b")
 _ISO = re.compile(r"\b(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)")
-_CLOCK = re.compile(r"\b(?:reset(?:s|ting)?\b[^0-9\n]{0,20}|try again at\s+)(\d{1,2})(?::(\d{2}))?\s*(am|pm)?"
-                    r"(?:\s*\(([^)]+)\))?", re.IGNORECASE)
+# (a clock is not followed by a word: "try again at 10 de jul. de 2026" and "reset (every 5h …)"
+# name no clock)
+_CLOCK = re.compile(r"\b(?:reset(?:s|ting)?\b[^0-9\n]{0,20}|try again at\s+)(\d{1,2})(?!\d)(?::(\d{2}))?\s*(am|pm)?"
+                    r"(?![ \t]*[^\W\d_])(?:\s*\(([^)]+)\))?", re.IGNORECASE)
 _RETRY_AFTER = re.compile(r"retry[- ]after:?\s*(\d+)\b", re.IGNORECASE)
 # a delay: "try again in 20 minutes", "in 5 days 22 hours 11 minutes", "reset after 3h5m30s" (Gemini
 # CLI: a unit followed at once by the next number)
