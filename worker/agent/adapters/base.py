@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 # API errors that say nothing about the work (Claude Code's and the providers' wordings, from
 # tests/agents/corpus/limits/api-error-wordings.jsonl): an adapter's transient signal, and the
@@ -141,6 +141,9 @@ class StreamReader:
     when the run ends (``close``)."""
 
     agent = "generic"
+    #: a line by which the CLI says it cannot resume the session it was given (None: it says so in
+    #: its records, or not at all)
+    session_missing_line: ClassVar[re.Pattern[str] | None] = None
     _WHOLE_LIMIT = 8 << 20  # bytes of non-record lines kept for ``close``
 
     def __init__(self) -> None:
@@ -157,7 +160,12 @@ class StreamReader:
         """One JSON object the CLI printed."""
 
     def plain(self, line: str) -> None:
-        """One line that is not a JSON object."""
+        """One line that is not a JSON object: the CLI's own words on stderr (the log holds both
+        streams), where :attr:`session_missing_line` says a session it was told to resume is not
+        there."""
+        if self.session_missing_line is not None and self.out.session_missing is None \
+                and self.session_missing_line.search(line):
+            self.out.session_missing = Signal(f"{self.agent} stderr", line[:500])
 
     # -- feeding
 

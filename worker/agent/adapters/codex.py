@@ -87,6 +87,7 @@ def _window_name(slot: str, minutes: int | None) -> str:
 
 class CodexReader(StreamReader):
     agent = "codex"
+    session_missing_line = _SESSION_MISSING
 
     def record(self, obj: dict[str, Any]) -> None:
         kind = obj.get("type")
@@ -111,10 +112,6 @@ class CodexReader(StreamReader):
             payload = obj.get("payload")
             if isinstance(payload, dict) and payload.get("type") == "token_count":
                 self._rate_limits(payload.get("rate_limits"), timestamp(obj.get("timestamp")))
-
-    def plain(self, line: str) -> None:
-        if self.out.session_missing is None and _SESSION_MISSING.search(line):
-            self.out.session_missing = Signal("codex stderr", line[:500])
 
     def _rate_limits(self, snapshot: Any, at: Any) -> None:
         """A rollout's rate-limit snapshot (``null`` in some builds' exec sessions: openai/codex#14880)."""

@@ -69,6 +69,7 @@ def _json_tokens(tokens: dict[str, Any]) -> Tokens:
 
 class GeminiReader(StreamReader):
     agent = "gemini"
+    session_missing_line = _SESSION_MISSING
 
     def __init__(self) -> None:
         super().__init__()
@@ -93,10 +94,6 @@ class GeminiReader(StreamReader):
             self._result(obj)
         elif kind is None and ("response" in obj or "stats" in obj or "error" in obj):
             self._document(obj)
-
-    def plain(self, line: str) -> None:
-        if self.out.session_missing is None and _SESSION_MISSING.search(line):
-            self.out.session_missing = Signal("gemini stderr", line[:500])
 
     def _result(self, obj: dict[str, Any]) -> None:
         out = self.out

@@ -34,7 +34,7 @@ from worker.agent.adapters.base import Signal, StreamReader, Tokens, clip, count
 
 _LIMIT = re.compile(r"rate.?limit|quota|usage limit|too many requests|resource.?exhausted", re.IGNORECASE)
 _TRANSIENT = re.compile(r"overloaded", re.IGNORECASE)
-_SESSION_NOT_FOUND = "Session not found"
+_SESSION_NOT_FOUND = re.compile("Session not found")
 
 
 def _dict(value: Any) -> dict[str, Any]:
@@ -43,6 +43,7 @@ def _dict(value: Any) -> dict[str, Any]:
 
 class OpencodeReader(StreamReader):
     agent = "opencode"
+    session_missing_line = _SESSION_NOT_FOUND
 
     def __init__(self) -> None:
         super().__init__()
@@ -99,9 +100,6 @@ class OpencodeReader(StreamReader):
                 or _TRANSIENT.search(message):
             out.transient = Signal(f"opencode error {name}", text)
 
-    def plain(self, line: str) -> None:
-        if _SESSION_NOT_FOUND in line and self.out.session_missing is None:
-            self.out.session_missing = Signal("opencode stderr", line[:500])
 
 
 # Verified against anomalyco/opencode packages/opencode/src/cli/cmd/run.ts (the stored snapshot):
