@@ -230,12 +230,14 @@ _SPAN = re.compile(r"\b(?:in|after)\s+((?:\d+(?:\.\d+)?\s*(?:days?|d|hours?|hrs?
                    r"[\s,]*(?:and\s+)?)+)(?!\w)", re.IGNORECASE)  # (the last unit ends a word: not "5d41402abc")
 _SPAN_PART = re.compile(r"(\d+(?:\.\d+)?)\s*([dhms])", re.IGNORECASE)
 # "resets Oct 31, 9am", "resets Sep 15 at 7pm", "resets Jan 18, 11:30am (Asia/Calcutta)"
-_DATED = re.compile(r"\breset(?:s|ting)?\b(?:\s+on)?\s+(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?\s+(\d{1,2})"
-                    r"(?:,|\s+at)?\s+(\d{1,2})(?::(\d{2}))?\s*(am|pm)?(?:\s*\(([^)]+)\))?", re.IGNORECASE)
+_DATED = re.compile(r"\breset(?:s|ting)?\b(?:\s+on)?\s+(?P<mon>jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?"
+                    r"\s+(?P<day>\d{1,2})(?:,|\s+at)?\s+(?P<hour>\d{1,2})(?::(?P<min>\d{2}))?\s*(?P<ampm>am|pm)?"
+                    r"(?:\s*\((?P<zone>[^)]+)\))?", re.IGNORECASE)
 # Codex: "try again at Apr 28th, 2026 10:03 PM", "… at Aug 20, 2026, 7:38 AM" (a year, so the date
 # as written; no zone: read as UTC, as a clock without one is — the CLI prints its machine's time)
-_DATED_YEAR = re.compile(r"\b(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?\s+(\d{1,2})(?:st|nd|rd|th)?,?"
-                         r"\s+(\d{4}),?\s+(?:at\s+)?(\d{1,2}):(\d{2})\s*(am|pm)?(?:\s*\(([^)]+)\))?", re.IGNORECASE)
+_DATED_YEAR = re.compile(r"\b(?P<mon>jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?\s+(?P<day>\d{1,2})"
+                         r"(?:st|nd|rd|th)?,?\s+(?P<year>\d{4}),?\s+(?:at\s+)?(?P<hour>\d{1,2}):(?P<min>\d{2})\s*"
+                         r"(?P<ampm>am|pm)?(?:\s*\((?P<zone>[^)]+)\))?", re.IGNORECASE)
 # "regain access on 2026-04-01 at 00:00 UTC"
 _DATE_AT = re.compile(r"\b(\d{4}-\d{2}-\d{2})\s+at\s+(\d{1,2}):(\d{2})\s*(UTC|GMT)?", re.IGNORECASE)
 _MONTHS = ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"]
@@ -268,16 +270,7 @@ def reset_time(text: str, now: datetime | None = None) -> tuple[datetime | None,
     m = _SPAN.search(text)
     if m:
         return None, sum(float(n) * _UNIT[u.lower()] for n, u in _SPAN_PART.findall(m.group(1)))
-    m = _DATED_YEAR.search(text)
-    if m:
-        hour, minute = _hour(int(m.group(4)), (m.group(6) or "").lower()), int(m.group(5))
-        try:
-            when = datetime(int(m.group(3)), _MONTHS.index(m.group(1)[:3].lower()) + 1, int(m.group(2)), hour,
-                            minute, tzinfo=_zone(m.group(7)))
-        except ValueError:
-            return None, None
-        return when.astimezone(UTC), None
-    m = _DATED.search(text)
+    m = _DATED_YEAR.search(text) or _DATED.search(text)
     if m:
         return _dated(m, now), None
     m = _CLOCK.search(text)
@@ -295,17 +288,19 @@ def reset_time(text: str, now: datetime | None = None) -> tuple[datetime | None,
 
 
 def _dated(m: re.Match[str], now: datetime) -> datetime | None:
-    """A reset with a month and a day (the next such date, this year or the next), in its zone."""
-    month, day = _MONTHS.index(m.group(1)[:3].lower()) + 1, int(m.group(2))
-    hour, minute = _hour(int(m.group(3)), (m.group(5) or "").lower()), int(m.group(4) or 0)
-    zone = _zone(m.group(6))
+    """A reset with a month and a day, in its zone: in the year it names, else the next such date
+    (this year or the next)."""
+    g = m.groupdict()
+    month, day = _MONTHS.index(g["mon"][:3].lower()) + 1, int(g["day"])
+    hour, minute = _hour(int(g["hour"]), (g["ampm"] or "").lower()), int(g["min"] or 0)
+    zone = _zone(g["zone"])
     local = now.astimezone(zone)
-    for year in (local.year, local.year + 1):
+    for year in ((int(g["year"]),) if g.get("year") else (local.year, local.year + 1)):
         try:
             when = datetime(year, month, day, hour, minute, tzinfo=zone)
         except ValueError:
             return None
-        if when > local:
+        if g.get("year") or when > local:  # (a named year's date in the past: not believed, later)
             return when.astimezone(UTC)
     return None
 
